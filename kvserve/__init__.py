@@ -1,0 +1,8 @@
+"""kvserve: a small LLM inference engine you can read and run fast."""
+from kvserve.config import EngineConfig
+from kvserve.engine.outputs import CompletionOutput, RequestOutput
+from kvserve.llm import LLM
+from kvserve.sampling_params import SamplingParams
+
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams"]
+__version__ = "0.1.0"

@@ -1,0 +1,95 @@
+"""Command line: `kvserve generate "prompt"` (more subcommands arrive with their features)."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="GGUF file or HF folder (default: bundled Gemma 3 270M)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--dtype", default="float32", help="float32 or bfloat16")
+    p.add_argument("--no-kv-cache", action="store_true",
+                   help="recompute the whole sequence every step (the O(T^2) baseline)")
+    p.add_argument("--kv-cache-gib", type=float, default=None, help="KV pool size in GiB")
+    p.add_argument("--max-model-len", type=int, default=None, help="context window cap")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--min-tokens", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description="A small LLM inference engine.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for a prompt, streamed to the terminal")
+    gen.add_argument("prompt")
+    _add_engine_args(gen)
+    _add_sampling_args(gen)
+    gen.add_argument("--quiet-metrics", action="store_true", help="do not print TTFT/TPOT at the end")
+    return parser
+
+
+def _sampling_params(args: argparse.Namespace):
+    from kvserve.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens, min_tokens=args.min_tokens, temperature=args.temperature,
+        top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop,
+        ignore_eos=args.ignore_eos, repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    t_start = time.perf_counter()
+    from kvserve.llm import LLM
+
+    params = _sampling_params(args)  # validate before the (slow) model load
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, use_kv_cache=not args.no_kv_cache,
+              kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len, num_threads=args.threads,
+              max_num_seqs=1)
+    t_loaded = time.perf_counter()
+    final = None
+    for out in llm.stream(args.prompt, params):
+        sys.stdout.write(out.outputs[0].delta_text)
+        sys.stdout.flush()
+        final = out
+    sys.stdout.write("\n")
+    if not args.quiet_metrics and final is not None:
+        m = final.metrics
+        tpot = f"{m.tpot * 1000:.1f} ms" if m.tpot is not None else "n/a"
+        print(f"--- {m.num_prompt_tokens} prompt tokens, {m.num_output_tokens} output tokens "
+              f"({final.outputs[0].finish_reason})", file=sys.stderr)
+        print(f"load {t_loaded - t_start:.2f} s | TTFT {m.ttft * 1000:.1f} ms | TPOT {tpot} | "
+              f"{m.output_tokens_per_s:.2f} tok/s | first token {m.first_token_time - t_start:.2f} s after start",
+              file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return {"generate": cmd_generate}[args.command](args)
+    except ValueError as e:  # bad input (ModelLoadError is a ValueError): a message, no traceback
+        print(f"kvserve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,245 @@
+"""LLMEngine: add_request / step / abort. The one place that owns a clock.
+
+Each step: the scheduler picks sequences and token counts within the budget, the model runner
+runs them as one flat batch, the sampler picks next tokens, the detokenizer and stop checker
+turn them into text and finish sequences, and the scheduler frees what finished.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvserve.config import EngineConfig
+from kvserve.engine.block_manager import BlockManager
+from kvserve.engine.metrics import RequestMetrics
+from kvserve.engine.model_runner import ModelRunner, StepInput
+from kvserve.engine.outputs import CompletionOutput, RequestOutput
+from kvserve.engine.scheduler import Scheduler, SchedulerOutput
+from kvserve.loading import LoadedModel, load_model
+from kvserve.model.attention import KVCache
+from kvserve.sampling import Sampler, SamplingRequest
+from kvserve.sampling.stop import IncrementalDetokenizer, StopChecker
+from kvserve.sampling_params import SamplingParams
+from kvserve.sequence import Sequence, SequenceStatus
+
+log = logging.getLogger(__name__)
+
+_FINISH = {"stop": SequenceStatus.FINISHED_STOPPED, "length": SequenceStatus.FINISHED_LENGTH}
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    metrics: RequestMetrics
+    error: str | None = None
+    emitted: dict[int, int] = field(default_factory=dict)  # seq index -> tokens already reported
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
+        self.config = config or EngineConfig()
+        cfg = self.config
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.loaded = loaded or load_model(cfg.model, cfg.dtype, cfg.device)
+        self.model_config = mc = self.loaded.model.config
+        self.tokenizer = self.loaded.tokenizer
+        self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        kv_dtype = next(self.loaded.model.parameters()).dtype
+        bytes_per_block = mc.kv_bytes_per_token(torch.finfo(kv_dtype).bits // 8) * cfg.block_size
+        self.num_blocks = max(1, int(cfg.kv_cache_gib * 2**30 // bytes_per_block))
+        pool_tokens = self.num_blocks * cfg.block_size
+        if self.max_model_len > pool_tokens:
+            # A sequence can never outgrow the pool; cap the context rather than fail mid-request.
+            log.warning("max_model_len %d exceeds the KV pool (%d tokens); capping it (raise --kv-cache-gib)",
+                        self.max_model_len, pool_tokens)
+            self.max_model_len = pool_tokens
+        self.kv_cache = KVCache(mc.num_layers, self.num_blocks * cfg.block_size, mc.num_kv_heads, mc.head_dim,
+                                kv_dtype, cfg.device)
+        log.info("KV pool: %d blocks x %d tokens = %d tokens (%.2f GiB)", self.num_blocks, cfg.block_size,
+                 self.num_blocks * cfg.block_size, self.kv_cache.nbytes / 2**30)
+        self.runner = ModelRunner(self.loaded.model, self.kv_cache, cfg.block_size, cfg.device)
+        self.block_manager = BlockManager(self.num_blocks, cfg.block_size,
+                                          enable_prefix_caching=cfg.enable_prefix_caching and cfg.use_kv_cache)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=cfg.max_num_seqs,
+                                   max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                   max_model_len=self.max_model_len,
+                                   enable_chunked_prefill=cfg.enable_chunked_prefill)
+        self.sampler = Sampler(self.tokenizer.eos_token_ids)
+        self.requests: dict[str, _Request] = {}
+        self._seq_ids = itertools.count()
+        self._request_ids = itertools.count()
+        self.clock = time.perf_counter  # the one monotonic clock for every timestamp
+
+    # ---------------------------------------------------------------- requests
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt_token_ids is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids contains {bad[0]!r}, outside the vocabulary [0, {vocab})")
+        return ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+        """Queue a request (text or token ids). Raises ValueError for an empty prompt, a prompt
+        that leaves no room to generate within max_model_len, or a duplicate request id."""
+        arrival = self.clock() if arrival_time is None else arrival_time
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        request_id = str(next(self._request_ids)) if request_id is None else request_id
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        ids = self.tokenize(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; the context window (max_model_len) is "
+                             f"{self.max_model_len}, leaving no room for output")
+        seqs = [Sequence(next(self._seq_ids), request_id, list(ids), params, arrival, index=i) for i in range(params.n)]
+        for s in seqs:
+            s.extra["generator"] = self._generator(params, s.index)
+            s.extra["detok"] = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+            s.extra["stop"] = StopChecker(params, self.tokenizer.eos_token_ids, self.max_model_len)
+        req = _Request(request_id, prompt if isinstance(prompt, str) else None, ids, params, seqs,
+                       RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(ids)))
+        self.requests[request_id] = req
+        for s in seqs:
+            self.scheduler.add(s)
+        return request_id
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        if params.seed is None or params.greedy:
+            return None
+        # One RNG per sample, so a seeded request gives the same tokens whatever runs beside it.
+        return torch.Generator(device=self.config.device).manual_seed(params.seed + index)
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        self.scheduler.abort(request_id)
+        now = self.clock()
+        for s in req.seqs:
+            if not s.finished:
+                s.finish(SequenceStatus.FINISHED_ABORTED, now)
+        req.metrics.finished_time = now
+        del self.requests[request_id]
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---------------------------------------------------------------- stepping
+    def step(self) -> list[RequestOutput]:
+        """One scheduling iteration; returns an output for every request that changed."""
+        sched = self.scheduler.schedule()
+        touched: set[str] = set()
+        now = self.clock()
+        for seq in sched.finished_with_error:
+            seq.finished_time = now
+            self.requests[seq.request_id].error = seq.error
+            touched.add(seq.request_id)
+        if sched.scheduled:
+            self._execute(sched, touched)
+        return self._collect(touched)
+
+    def _execute(self, sched: SchedulerOutput, touched: set[str]) -> None:
+        self.runner.copy_blocks(sched.block_copies, self.config.block_size)
+        inputs, samplers = [], []
+        now = self.clock()
+        for item in sched.scheduled:
+            seq = item.seq
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+            start = seq.num_computed_tokens
+            tokens = seq.all_token_ids[start:start + item.num_tokens]
+            inputs.append(StepInput(tokens, start, seq.block_table, item.needs_logits))
+            if item.needs_logits:
+                samplers.append(seq)
+        logits = self.runner.execute(inputs)
+        self.scheduler.update(sched)
+        if not self.config.use_kv_cache:
+            # The no-cache baseline: after each sampled token forget everything computed, so the
+            # next step recomputes the whole sequence (a long prompt still goes in chunks first).
+            for seq in samplers:
+                seq.num_computed_tokens = 0
+        if not samplers:
+            return
+        out = self.sampler(logits, [SamplingRequest(s.params, s.prompt_token_ids, s.output_token_ids,
+                                                    s.extra["generator"]) for s in samplers])
+        now = self.clock()
+        for i, seq in enumerate(samplers):
+            self._append(seq, out.token_ids[i], out.logprobs[i], out.top_logprobs[i], now)
+            touched.add(seq.request_id)
+
+    def _append(self, seq: Sequence, token: int, logprob: float, top: dict | None, now: float) -> None:
+        seq.append_token(token, now)
+        if seq.params.logprobs is not None:
+            seq.logprobs.append(logprob)
+            seq.top_logprobs.append(top)
+        req = self.requests[seq.request_id]
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        delta = seq.extra["detok"].add_token(token)
+        stop: StopChecker = seq.extra["stop"]
+        res = stop.check(token, delta, len(seq.output_token_ids), seq.num_tokens)
+        self._emit(seq, res.emit)
+        if res.finished and res.reason == "length":
+            self._emit(seq, seq.extra["detok"].flush())  # bytes held back for a character never completed
+        if res.finished:
+            seq.finish(_FINISH[res.reason], now, res.stop_reason)
+            self.scheduler.finish(seq)
+
+    @staticmethod
+    def _emit(seq: Sequence, text: str) -> None:
+        """Text streamed so far (`text`) and not yet reported (`delta`); the stop checker holds
+        back anything a stop string could still remove, so streamed text is never taken back."""
+        seq.extra["text"] = seq.extra.get("text", "") + text
+        seq.extra["delta"] = seq.extra.get("delta", "") + text
+
+    def _collect(self, touched: set[str]) -> list[RequestOutput]:
+        outputs = []
+        for rid in sorted(touched, key=lambda r: self.requests[r].seqs[0].seq_id):
+            req = self.requests[rid]
+            outputs.append(self._output(req))
+            if req.finished:
+                del self.requests[rid]
+        return outputs
+
+    def _output(self, req: _Request) -> RequestOutput:
+        comps = []
+        for s in req.seqs:
+            shown = req.emitted.get(s.index, 0)
+            req.emitted[s.index] = len(s.output_token_ids)
+            want_lp = s.params.logprobs is not None
+            comps.append(CompletionOutput(
+                index=s.index, text=s.extra["text"], token_ids=list(s.output_token_ids),
+                finish_reason=s.status.value if s.finished else None, stop_reason=s.stop_reason,
+                logprobs=list(s.logprobs) if want_lp else None,
+                top_logprobs=list(s.top_logprobs) if want_lp else None,
+                delta_text=s.extra.pop("delta", ""), delta_token_ids=list(s.output_token_ids[shown:])))
+        m = req.metrics
+        lead = req.seqs[0]
+        m.token_times = list(lead.token_times)
+        m.first_scheduled_time = lead.first_scheduled_time
+        if req.finished:
+            m.finished_time = max((s.finished_time or 0.0) for s in req.seqs)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps, req.finished, m, req.error)

@@ -1,0 +1,42 @@
+"""What the engine hands back: one RequestOutput per request per step that changed it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.engine.metrics import RequestMetrics
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
+    stop_reason: int | str | None = None  # the stop string or stop token that ended it
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float] | None] | None = None
+    delta_text: str = ""  # text added since the previous output of this request
+    delta_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    error: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids

@@ -1,0 +1,215 @@
+"""GGUF files: config from metadata, weights dequantized by the `gguf` package, tokenizer.
+
+Parsing a GGUF's metadata and dequantizing it is slow (seconds), so `load_gguf` converts once
+into the cache (config.json + model.safetensors in fp32 + tokenizer.json) and later starts
+read only the cache.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvserve.loading.cache import atomic_write_bytes, entry_dir
+from kvserve.loading.errors import ModelLoadError
+from kvserve.loading.serialize import config_from_dict, config_to_dict
+from kvserve.loading.tokenizer import convert_gguf_tokenizer
+from kvserve.model.config import FULL, SLIDING, ModelConfig, RopeConfig
+
+SUPPORTED_ARCHS = ("gemma3", "llama")
+
+# GGUF tensor name (after "blk.N.") -> our parameter name (after "layers.N.")
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+}
+# The norm after attention is "post_attention_norm" in Gemma, while Llama's pre-MLP norm
+# ("ffn_norm") is what HF calls post_attention_layernorm.
+_FAMILY_LAYER_NAMES = {
+    "gemma3": {
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+    "llama": {"ffn_norm": "post_attention_layernorm"},
+}
+_GLOBAL_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
+
+
+def _open(path: Path):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # truncated or corrupt files fail deep inside numpy
+        raise ModelLoadError(path, f"not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+
+def _field(reader, key: str, default=None, path: Path | None = None):
+    f = reader.fields.get(key)
+    if f is None:
+        if default is None:
+            raise ModelLoadError(path, f"GGUF metadata lacks {key!r}")
+        return default
+    return f.contents()
+
+
+def read_gguf_config(reader, path: Path) -> ModelConfig:
+    arch = _field(reader, "general.architecture", path=path)
+    if arch not in SUPPORTED_ARCHS:
+        raise ModelLoadError(path, f"architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
+
+    def meta(key: str, default=None):
+        return _field(reader, f"{arch}.{key}", default, path)
+
+    names = {t.name for t in reader.tensors}
+    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embd is None:
+        raise ModelLoadError(path, "GGUF has no token_embd.weight tensor")
+    hidden = int(meta("embedding_length"))
+    heads = int(meta("attention.head_count"))
+    kv_heads = int(meta("attention.head_count_kv", heads))
+    head_dim = int(meta("attention.key_length", hidden // heads))
+    n_layers = int(meta("block_count"))
+    eos = _field(reader, "tokenizer.ggml.eos_token_id", -1)
+    bos = _field(reader, "tokenizer.ggml.bos_token_id", -1)
+    pad = _field(reader, "tokenizer.ggml.padding_token_id", -1)
+    eos_ids = [] if eos < 0 else [int(eos)]
+    if arch == "gemma3":
+        # Gemma ends a chat turn with <end_of_turn>; HF's generation_config lists it as an eos.
+        tokens = _field(reader, "tokenizer.ggml.tokens", [])
+        if "<end_of_turn>" in tokens:
+            eos_ids.append(tokens.index("<end_of_turn>"))
+    common = dict(
+        model_type=arch,
+        vocab_size=int(embd.shape[-1]),
+        hidden_size=hidden,
+        intermediate_size=int(meta("feed_forward_length")),
+        num_layers=n_layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(meta("context_length")),
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=None if bos < 0 else int(bos),
+        eos_token_ids=eos_ids,
+        pad_token_id=None if pad < 0 else int(pad),
+        add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", True)),
+        chat_template=_field(reader, "tokenizer.chat_template", "") or None,
+    )
+    theta = float(meta("rope.freq_base", 10000.0))
+    scaling = None
+    kind = meta("rope.scaling.type", "none")
+    if kind == "linear":
+        scaling = (("rope_type", "linear"), ("factor", float(meta("rope.scaling.factor"))))
+    elif kind not in ("none", ""):
+        raise ModelLoadError(path, f"rope scaling {kind!r} is not supported")
+
+    if arch == "gemma3":
+        # As HF's GGUF loader: local layers use base 10k, every 6th layer is global, and the
+        # query scale is query_pre_attn_scalar = 256 (these are not in the GGUF metadata).
+        layer_types = [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(n_layers)]
+        return ModelConfig(
+            family="gemma3",
+            layer_types=layer_types,
+            rope={SLIDING: RopeConfig(10000.0), FULL: RopeConfig(theta, scaling)},
+            attn_scale=256**-0.5,
+            sliding_window=int(meta("attention.sliding_window")),
+            hidden_act="gelu_pytorch_tanh",
+            qk_norm=True,
+            **common,
+        )
+    if "rope_freqs.weight" in names:
+        raise ModelLoadError(path, "rope_freqs (llama3 frequency factors) in GGUF is not supported yet")
+    return ModelConfig(
+        family="llama",
+        layer_types=[FULL] * n_layers,
+        rope={FULL: RopeConfig(theta, scaling)},
+        attn_scale=head_dim**-0.5,
+        hidden_act="silu",
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        **common,
+    )
+
+
+def _param_name(gguf_name: str, family: str) -> str | None:
+    stem, _, kind = gguf_name.rpartition(".")  # kind: weight / bias
+    if stem in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[stem]}.{kind}"
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk":
+        local = _FAMILY_LAYER_NAMES[family].get(parts[2]) or _LAYER_NAMES.get(parts[2])
+        if local:
+            return f"layers.{parts[1]}.{local}.{kind}"
+    return None
+
+
+def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp interleaves each head's rotary halves for Llama q/k; undo it for half-rotation."""
+    dim = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_state_dict(reader, cfg: ModelConfig, path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor dequantized to fp32, under our parameter names."""
+    from gguf.quants import dequantize
+
+    sd: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        name = _param_name(t.name, cfg.family)
+        if name is None:
+            raise ModelLoadError(path, f"unexpected tensor {t.name!r} for architecture {cfg.model_type!r}")
+        try:
+            w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        except Exception as e:
+            raise ModelLoadError(path, f"cannot dequantize tensor {t.name!r} ({e})") from None
+        if cfg.family == "gemma3" and name.endswith("norm.weight"):
+            w = w - 1.0  # llama.cpp stores Gemma norm weights as 1 + w
+        if cfg.family == "llama" and ".self_attn.q_proj." in name:
+            w = _unpermute_rope(w, cfg.num_heads)
+        if cfg.family == "llama" and ".self_attn.k_proj." in name:
+            w = _unpermute_rope(w, cfg.num_kv_heads)
+        sd[name] = torch.from_numpy(np.ascontiguousarray(w))
+    return sd
+
+
+def load_gguf(path: Path) -> tuple[ModelConfig, Path, Path]:
+    """Convert (once) and return (config, safetensors path, tokenizer.json path) from the cache."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelLoadError(path, "no such GGUF file")
+    entry = entry_dir("gguf", path)
+    cfg_file, weights, tok_file = entry / "config.json", entry / "model.safetensors", entry / "tokenizer.json"
+    if not (cfg_file.exists() and weights.exists() and tok_file.exists()):
+        _convert(path, cfg_file, weights, tok_file)
+    try:
+        cfg = config_from_dict(json.loads(cfg_file.read_text()))
+    except (ValueError, KeyError, TypeError) as e:
+        raise ModelLoadError(cfg_file, f"corrupt cached config ({e}); delete the folder to rebuild it") from None
+    return cfg, weights, tok_file
+
+
+def _convert(path: Path, cfg_file: Path, weights: Path, tok_file: Path) -> None:
+    from safetensors.torch import save_file
+
+    reader = _open(path)
+    cfg = read_gguf_config(reader, path)
+    sd = gguf_state_dict(reader, cfg, path)
+    if not tok_file.exists():
+        convert_gguf_tokenizer(path, tok_file)
+    tmp = weights.with_name(weights.name + ".tmp")
+    save_file(sd, str(tmp))
+    tmp.replace(weights)
+    # The config goes last: its presence marks a complete entry.
+    atomic_write_bytes(cfg_file, json.dumps(config_to_dict(cfg), indent=1).encode())

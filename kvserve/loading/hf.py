@@ -1,0 +1,154 @@
+"""HF model folders: config.json + *.safetensors (sharded or not) + tokenizer.json."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from kvserve.loading.errors import ModelLoadError
+from kvserve.model.config import FULL, SLIDING, ModelConfig, RopeConfig
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelLoadError(path, "file not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(path, f"not valid JSON ({e})") from None
+
+
+def _rope_scaling(raw: dict | None) -> tuple | None:
+    if not raw:
+        return None
+    raw = {k: v for k, v in raw.items() if k != "rope_theta" and v is not None}
+    kind = raw.get("rope_type", raw.get("type", "default"))
+    if kind == "default":
+        return None
+    return tuple(sorted((k, v) for k, v in raw.items() if isinstance(v, (int, float, str))))
+
+
+def _rope_params(c: dict, layer_types: list[str]) -> dict[str, RopeConfig]:
+    """Understands both transformers 5 `rope_parameters` and the older rope_theta/rope_scaling."""
+    rp = c.get("rope_parameters")
+    if isinstance(rp, dict) and rp and all(t in rp for t in set(layer_types)):
+        return {t: RopeConfig(float(rp[t].get("rope_theta", 10000.0)), _rope_scaling(rp[t])) for t in set(layer_types)}
+    if isinstance(rp, dict) and "rope_theta" in rp:
+        theta, scaling = float(rp["rope_theta"]), _rope_scaling(rp)
+    else:
+        theta, scaling = float(c.get("rope_theta", 10000.0)), _rope_scaling(c.get("rope_scaling"))
+    rope = {FULL: RopeConfig(theta, scaling)}
+    if SLIDING in layer_types:
+        # Gemma 3 local layers: their own base, no scaling. Others: same rotary as global.
+        local = c.get("rope_local_base_freq")
+        rope[SLIDING] = RopeConfig(float(local), None) if local else RopeConfig(theta, scaling)
+    return rope
+
+
+def _layer_types(c: dict, model_type: str, n_layers: int) -> list[str]:
+    if isinstance(c.get("layer_types"), list):
+        return list(c["layer_types"])
+    if model_type == "gemma3_text":
+        pattern = int(c.get("sliding_window_pattern", c.get("_sliding_window_pattern", 6)))
+        return [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(n_layers)]
+    if model_type == "mistral" and c.get("sliding_window"):
+        return [SLIDING] * n_layers
+    if model_type in ("qwen2", "qwen3") and c.get("use_sliding_window"):
+        start = int(c.get("max_window_layers", n_layers))
+        return [SLIDING if i >= start else FULL for i in range(n_layers)]
+    return [FULL] * n_layers
+
+
+def _as_list(x) -> list[int]:
+    if x is None:
+        return []
+    return [int(i) for i in (x if isinstance(x, list) else [x])]
+
+
+def read_hf_config(folder: Path) -> ModelConfig:
+    cfg_path = folder / "config.json"
+    c = _read_json(cfg_path)
+    model_type = c.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            cfg_path, f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    try:
+        hidden, heads, n_layers = int(c["hidden_size"]), int(c["num_attention_heads"]), int(c["num_hidden_layers"])
+        head_dim = int(c.get("head_dim") or hidden // heads)
+        layer_types = _layer_types(c, model_type, n_layers)
+        gemma = model_type == "gemma3_text"
+        if gemma and c.get("attn_logit_softcapping"):
+            raise ModelLoadError(cfg_path, "attn_logit_softcapping is not supported")
+        gen = folder / "generation_config.json"
+        eos = _as_list(_read_json(gen).get("eos_token_id")) if gen.exists() else []
+        sliding = c.get("sliding_window") if SLIDING in layer_types else None
+        return ModelConfig(
+            family="gemma3" if gemma else "llama",
+            model_type=model_type,
+            vocab_size=int(c["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(c["intermediate_size"]),
+            num_layers=n_layers,
+            num_heads=heads,
+            num_kv_heads=int(c.get("num_key_value_heads") or heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
+            layer_types=layer_types,
+            rope=_rope_params(c, layer_types),
+            attn_scale=float(c.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else head_dim**-0.5,
+            sliding_window=int(sliding) if sliding else None,
+            hidden_act=c.get("hidden_activation") or c.get("hidden_act") or "silu",
+            qkv_bias=bool(c.get("attention_bias", model_type == "qwen2")),
+            o_bias=bool(c.get("attention_bias", False)) and model_type != "qwen2",
+            mlp_bias=bool(c.get("mlp_bias", False)),
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", gemma)),
+            final_logit_softcapping=c.get("final_logit_softcapping"),
+            bos_token_id=c.get("bos_token_id"),
+            eos_token_ids=eos or _as_list(c.get("eos_token_id")),
+            pad_token_id=c.get("pad_token_id"),
+        )
+    except ModelLoadError:
+        raise
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelLoadError(cfg_path, f"invalid or missing field: {e}") from None
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ModelLoadError(index, "no 'weight_map' object")
+        files = sorted({folder / f for f in weight_map.values()})
+        missing = [f for f in files if not f.exists()]
+        if missing:
+            raise ModelLoadError(missing[0], f"shard named in {index.name} is missing")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(folder, "no *.safetensors files")
+    return files
+
+
+def hf_state_dict(folder: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """All tensors under our names ("model." prefix dropped; a tied lm_head is skipped)."""
+    from safetensors import safe_open
+
+    sd: dict[str, torch.Tensor] = {}
+    for f in safetensors_files(folder):
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for key in st.keys():
+                    name = key.removeprefix("model.")
+                    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                        continue
+                    sd[name] = st.get_tensor(key)
+        except Exception as e:  # SafetensorError on truncation / bad headers
+            raise ModelLoadError(f, f"not a readable safetensors file ({e})") from None
+    return sd

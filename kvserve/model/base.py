@@ -1,0 +1,67 @@
+"""The decoder-only causal LM skeleton shared by every family.
+
+A family supplies its decoder layer class and a few switches (embedding scale, norm style);
+the forward pass over a flat batch of tokens is the same for all.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from kvserve.model.attention import AttentionMetadata, KVCache
+from kvserve.model.config import ModelConfig
+from kvserve.model.layers import RMSNorm, RotaryEmbedding
+
+
+class CausalLM(nn.Module):
+    layer_cls: type[nn.Module]
+    gemma_norm: bool = False  # RMSNorm weights stored as (w - 1), applied as (1 + w)
+    scale_embedding: bool = False  # multiply embeddings by sqrt(hidden_size)
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(self.layer_cls(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=self.gemma_norm)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # One rotary table per layer type (Gemma 3: 10k base for local layers, 1M for global).
+        self.rotary = nn.ModuleDict({t: RotaryEmbedding(r, cfg.head_dim) for t, r in cfg.rope.items()})
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """[vocab, hidden]; the embedding matrix itself when tied."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        if self.scale_embedding:
+            # HF rounds sqrt(hidden) to the weight dtype first; so do we, for identical numbers.
+            h = h * torch.tensor(math.sqrt(self.config.hidden_size)).to(h.dtype)
+        return h
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden] (normed)."""
+        h = self.embed(input_ids)
+        cos_sin = {t: rot.cos_sin(positions, h.dtype) for t, rot in self.rotary.items()}
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos_sin[self.config.layer_types[i]], kv_cache, meta)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> fp32 logits [N, vocab]."""
+        logits = torch.nn.functional.linear(hidden, self.lm_head_weight).float()
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

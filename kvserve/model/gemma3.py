@@ -1,0 +1,34 @@
+"""Gemma 3 (text): MQA/GQA with q/k RMSNorm, sandwich norms, GELU-tanh MLP, 5:1 local/global."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvserve.model.attention import Attention, AttentionMetadata, KVCache
+from kvserve.model.base import CausalLM
+from kvserve.model.config import ModelConfig
+from kvserve.model.layers import GatedMLP, RMSNorm
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        eps = cfg.rms_norm_eps
+        self.self_attn = Attention(cfg, layer, gemma_norm=True)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, offset=True)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, offset=True)
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset=True)
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset=True)
+
+    def forward(self, h: torch.Tensor, cos_sin, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        a = self.self_attn(self.input_layernorm(h), cos_sin, kv_cache, meta)
+        h = h + self.post_attention_layernorm(a)
+        m = self.mlp(self.pre_feedforward_layernorm(h))
+        return h + self.post_feedforward_layernorm(m)
+
+
+class Gemma3ForCausalLM(CausalLM):
+    layer_cls = Gemma3DecoderLayer
+    gemma_norm = True
+    scale_embedding = True

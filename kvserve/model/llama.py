@@ -1,0 +1,28 @@
+"""The Llama family: Llama 2/3 (GQA, SwiGLU, llama3 RoPE scaling), Mistral, Qwen2 (qkv bias),
+Qwen3 (q/k RMSNorm). One pre-norm decoder layer covers them all."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvserve.model.attention import Attention, AttentionMetadata, KVCache
+from kvserve.model.base import CausalLM
+from kvserve.model.config import ModelConfig
+from kvserve.model.layers import GatedMLP, RMSNorm
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer, gemma_norm=False)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, cos_sin, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos_sin, kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(CausalLM):
+    layer_cls = LlamaDecoderLayer

@@ -1,0 +1,21 @@
+"""Token sampling, incremental detokenization and stop conditions."""
+
+from kvserve.sampling.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingRequest,
+    apply_penalties,
+    filter_logits,
+)
+from kvserve.sampling.stop import IncrementalDetokenizer, StopChecker, StopResult
+
+__all__ = [
+    "IncrementalDetokenizer",
+    "Sampler",
+    "SamplerOutput",
+    "SamplingRequest",
+    "StopChecker",
+    "StopResult",
+    "apply_penalties",
+    "filter_logits",
+]

@@ -1,0 +1,251 @@
+"""Batched token sampling: penalties, greedy/random selection, logprobs (vLLM semantics).
+
+Processing order per row (as vLLM): min_tokens masking -> repetition penalty ->
+frequency/presence penalties -> greedy argmax, or temperature -> top-k -> top-p ->
+min-p -> sample. Logprobs are always computed from the raw logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRequest:
+    """One row of the logits batch."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    # Per-sequence RNG for seeded requests; None -> the global torch RNG.
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    logprobs: list[float]  # log-softmax of the raw logits at the chosen token
+    top_logprobs: list[dict[int, float] | None]  # top-`params.logprobs` raw logprobs, None if not asked
+
+
+def _needs_min_tokens_mask(req: SamplingRequest) -> bool:
+    return len(req.output_token_ids) < req.params.min_tokens
+
+
+def _needs_penalties(req: SamplingRequest) -> bool:
+    p = req.params
+    return (
+        p.repetition_penalty != 1.0
+        or p.presence_penalty != 0.0
+        or p.frequency_penalty != 0.0
+        or _needs_min_tokens_mask(req)
+    )
+
+
+def _penalize_row(row: torch.Tensor, req: SamplingRequest, eos_token_ids: Sequence[int]) -> None:
+    """Apply min_tokens masking and penalties to one row in place. row: [V]."""
+    p = req.params
+    vocab = row.shape[0]
+    if _needs_min_tokens_mask(req):
+        # eos is masked even with ignore_eos: min_tokens promises that many real tokens.
+        banned = [t for t in (*eos_token_ids, *p.stop_token_ids) if 0 <= t < vocab]
+        if banned:
+            row[torch.tensor(banned, dtype=torch.long, device=row.device)] = float("-inf")
+    if p.repetition_penalty != 1.0:
+        seen = list(req.prompt_token_ids) + list(req.output_token_ids)
+        if seen:
+            ids = torch.tensor(seen, dtype=torch.long, device=row.device).unique()
+            vals = row[ids]
+            # HF/vLLM: make seen tokens less likely whatever the sign of their logit.
+            row[ids] = torch.where(
+                vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+            )
+    if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and req.output_token_ids:
+        out = torch.tensor(list(req.output_token_ids), dtype=torch.long, device=row.device)
+        ids, counts = out.unique(return_counts=True)
+        # OpenAI: only generated tokens count, not the prompt.
+        row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
+
+
+def apply_penalties(
+    logits: torch.Tensor, requests: Sequence[SamplingRequest], eos_token_ids: Sequence[int]
+) -> torch.Tensor:
+    """Return logits [N, V] after min_tokens masking and penalties.
+
+    Returns the input tensor itself (no copy) when no row needs any of them.
+    """
+    rows = [i for i, req in enumerate(requests) if _needs_penalties(req)]
+    if not rows:
+        return logits
+    out = logits.clone()
+    for i in rows:
+        _penalize_row(out[i], requests[i], eos_token_ids)
+    return out
+
+
+def _col(values: list[float], ref: torch.Tensor) -> torch.Tensor:
+    """A [M, 1] column tensor on ref's device and dtype."""
+    return torch.tensor(values, dtype=ref.dtype, device=ref.device).unsqueeze(1)
+
+
+def _apply_top_k(x: torch.Tensor, top_k: list[int]) -> None:
+    """Keep, per row, the tokens >= the k-th largest value (ties kept). x: [M, V], in place."""
+    vocab = x.shape[1]
+    rows = [i for i, k in enumerate(top_k) if 0 < k < vocab]
+    if not rows:
+        return
+    idx = torch.tensor(rows, device=x.device)
+    sub = x[idx]
+    ks = torch.tensor([top_k[i] for i in rows], device=x.device)
+    # topk of the largest k only: no full sort of the vocabulary.
+    top_vals = sub.topk(int(ks.max()), dim=-1).values
+    kth = top_vals.gather(1, (ks - 1).unsqueeze(1))
+    x[idx] = sub.masked_fill(sub < kth, float("-inf"))
+
+
+# Top-p first looks at this many best tokens; real LM distributions almost always reach p
+# inside them, which avoids sorting the whole vocabulary (~20 ms for 262144 entries on CPU).
+TOP_P_CANDIDATES = 1024
+
+
+def _top_p_rows(sub: torch.Tensor, p: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-p over the m best tokens of each row. sub: [R, V], p: [R, 1].
+
+    Returns (filtered rows [R, V], covered [R] bool); a row is exact only where covered,
+    i.e. where its m best tokens already hold mass >= p.
+    """
+    vals, order = (torch.sort(sub, dim=-1, descending=True) if m == sub.shape[1] else sub.topk(m, dim=-1))
+    probs = (vals - sub.logsumexp(dim=-1, keepdim=True)).exp()
+    cum = probs.cumsum(dim=-1)
+    # Drop a token once the strictly more likely ones reach p; the best token has 0 < p.
+    drop = (cum - probs) >= p
+    out = torch.full_like(sub, float("-inf"))
+    out.scatter_(1, order, vals.masked_fill(drop, float("-inf")))
+    return out, cum[:, -1] >= p.squeeze(1)
+
+
+def _apply_top_p(x: torch.Tensor, top_p: list[float]) -> None:
+    """Keep the smallest set of most likely tokens whose mass reaches p. x: [M, V], in place."""
+    rows = [i for i, p in enumerate(top_p) if p < 1.0]
+    if not rows:
+        return
+    vocab = x.shape[1]
+    idx = torch.tensor(rows, device=x.device)
+    p = _col([top_p[i] for i in rows], x)
+    sub = x[idx]
+    out, covered = _top_p_rows(sub, p, min(TOP_P_CANDIDATES, vocab))
+    if not bool(covered.all()):
+        rest = (~covered).nonzero().squeeze(1)  # flat distributions: sort the whole row
+        out[rest] = _top_p_rows(sub[rest], p[rest], vocab)[0]
+    x[idx] = out
+
+
+def _apply_min_p(x: torch.Tensor, min_p: list[float]) -> None:
+    """Drop tokens with prob < min_p * max prob. x: [M, V], in place."""
+    rows = [i for i, p in enumerate(min_p) if p > 0.0]
+    if not rows:
+        return
+    idx = torch.tensor(rows, device=x.device)
+    sub = x[idx]
+    probs = sub.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * _col([min_p[i] for i in rows], probs)
+    x[idx] = sub.masked_fill(probs < threshold, float("-inf"))
+
+
+def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p for random rows. logits: [M, V] -> new [M, V].
+
+    Filtered-out tokens are -inf; the result is what the row samples from via softmax.
+    """
+    x = logits / _col([p.temperature for p in params], logits)
+    _apply_top_k(x, [p.top_k for p in params])
+    _apply_top_p(x, [p.top_p for p in params])
+    _apply_min_p(x, [p.min_p for p in params])
+    return x
+
+
+def _sample_from(x: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """Sample one token per row of softmax(x) [M, V]; returns [M] long.
+
+    Inverse CDF: one uniform number per row, then a binary search in the float64 cumulative
+    sum (one random draw instead of V exponentials: ~20x cheaper at V=262144). Each seeded
+    row draws from its own generator, so its token does not depend on the other rows.
+    """
+    probs = x.softmax(dim=-1)
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+    u = torch.empty(len(generators), dtype=torch.float64, device=x.device)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        u[torch.tensor(unseeded, device=x.device)] = torch.rand(
+            len(unseeded), dtype=torch.float64, device=x.device
+        )
+    for i, gen in enumerate(generators):
+        if gen is not None:
+            u[i] = torch.rand((), dtype=torch.float64, device=x.device, generator=gen)
+    # right=True: the first index whose cdf exceeds the target, so a p=0 token is never hit.
+    tokens = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    overflow = tokens >= x.shape[1]  # u * total rounded up to the total
+    if bool(overflow.any()):
+        last_kept = x.shape[1] - 1 - (probs > 0).flip(-1).int().argmax(dim=-1)
+        tokens = torch.where(overflow, last_kept, tokens)
+    return tokens
+
+
+class Sampler:
+    """Picks the next token for every row of a logits batch."""
+
+    def __init__(self, eos_token_ids: Sequence[int]):
+        self.eos_token_ids = list(eos_token_ids)
+
+    def __call__(self, logits: torch.Tensor, requests: list[SamplingRequest]) -> SamplerOutput:
+        """logits: [N, V] float (one row per request) -> one token per row."""
+        if logits.dim() != 2 or logits.shape[0] != len(requests):
+            raise ValueError(
+                f"logits must be [N, V] with N={len(requests)} rows, got {tuple(logits.shape)}"
+            )
+        raw = logits.float()
+        processed = apply_penalties(raw, requests, self.eos_token_ids)
+        tokens = self._select(processed, requests)
+        return self._with_logprobs(raw, tokens, requests)
+
+    def _select(self, logits: torch.Tensor, requests: list[SamplingRequest]) -> torch.Tensor:
+        """Greedy rows: argmax; random rows: filter and sample. logits [N, V] -> [N] long."""
+        random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+        # One argmax over the whole batch covers the common all-greedy case.
+        tokens = logits.argmax(dim=-1) if len(random_rows) < len(requests) else None
+        if not random_rows:
+            return tokens
+        params = [requests[i].params for i in random_rows]
+        generators = [requests[i].generator for i in random_rows]
+        if tokens is None:  # all rows random: no gather copy
+            return _sample_from(filter_logits(logits, params), generators)
+        idx = torch.tensor(random_rows, device=logits.device)
+        tokens[idx] = _sample_from(filter_logits(logits[idx], params), generators)
+        return tokens
+
+    def _with_logprobs(
+        self, raw: torch.Tensor, tokens: torch.Tensor, requests: list[SamplingRequest]
+    ) -> SamplerOutput:
+        """Logprobs from the raw logits [N, V]; tokens [N]."""
+        # logsumexp instead of log_softmax: no second [N, V] tensor.
+        lse = raw.logsumexp(dim=-1)
+        chosen = raw.gather(1, tokens.unsqueeze(1)).squeeze(1) - lse
+        top: list[dict[int, float] | None] = [None] * len(requests)
+        asked = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+        wanted = [min(requests[i].params.logprobs, raw.shape[1]) for i in asked]
+        if asked and max(wanted) > 0:
+            idx = torch.tensor(asked, device=raw.device)
+            vals, ids = raw[idx].topk(max(wanted), dim=-1)
+            vals = (vals - lse[idx].unsqueeze(1)).tolist()
+            ids = ids.tolist()
+            for j, i in enumerate(asked):
+                top[i] = dict(zip(ids[j][: wanted[j]], vals[j][: wanted[j]]))
+        else:
+            for i in asked:
+                top[i] = {}
+        return SamplerOutput(token_ids=tokens.tolist(), logprobs=chosen.tolist(), top_logprobs=top)

@@ -1,0 +1,152 @@
+"""Per-request sampling parameters with vLLM-compatible semantics and validation."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+# vLLM treats temperatures below this as greedy (division by ~0 would overflow).
+GREEDY_TEMPERATURE_EPS = 1e-5
+# Same default cap as vLLM's `max_logprobs` and OpenAI's `top_logprobs`.
+MAX_LOGPROBS = 20
+
+
+def _check_int(name: str, value: Any, *, optional: bool = False) -> None:
+    """Reject non-integers; bool is an int subclass, but `n=True` is a bug, not a count."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        kind = "an int or None" if optional else "an int"
+        raise ValueError(f"{name} must be {kind}, got {value!r} ({type(value).__name__})")
+
+
+def _check_float(name: str, value: Any) -> float:
+    """Accept ints and floats (not bools), require a finite value, return it as float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a float, got {value!r} ({type(value).__name__})")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop, for one request.
+
+    After construction `stop` and `stop_token_ids` are always lists (possibly empty).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self._validate_counts()
+        self._validate_floats()
+        self._validate_stops()
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            _check_bool(name, getattr(self, name))
+
+    def _validate_counts(self) -> None:
+        _check_int("n", self.n)
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        _check_int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k}")
+        _check_int("seed", self.seed, optional=True)
+        _check_int("max_tokens", self.max_tokens, optional=True)
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        _check_int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        _check_int("logprobs", self.logprobs, optional=True)
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+
+    def _validate_floats(self) -> None:
+        self.temperature = _check_float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature:g}")
+        self.top_p = _check_float("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p:g}")
+        self.min_p = _check_float("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p:g}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _check_float(name, getattr(self, name))
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value:g}")
+            setattr(self, name, value)
+        self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty:g}")
+
+    def _validate_stops(self) -> None:
+        stop = self.stop
+        if stop is None:
+            stop = []
+        elif isinstance(stop, str):
+            stop = [stop]
+        elif isinstance(stop, (list, tuple)):
+            stop = list(stop)
+        else:
+            raise ValueError(f"stop must be a str, a list of str or None, got {type(stop).__name__}")
+        for s in stop:
+            if not isinstance(s, str):
+                raise ValueError(f"stop must contain only strings, got {s!r}")
+            if not s:
+                raise ValueError("stop must not contain empty strings")
+        self.stop = stop
+
+        ids = self.stop_token_ids
+        if ids is None:
+            ids = []
+        elif isinstance(ids, (list, tuple)):
+            ids = list(ids)
+        else:
+            raise ValueError(
+                f"stop_token_ids must be a list of int or None, got {type(ids).__name__}"
+            )
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise ValueError(f"stop_token_ids must contain only ints, got {t!r}")
+            if t < 0:
+                raise ValueError(f"stop_token_ids must be >= 0, got {t}")
+        self.stop_token_ids = ids
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request decodes by argmax (temperature ~ 0, as vLLM)."""
+        return self.temperature < GREEDY_TEMPERATURE_EPS
+
+    @property
+    def top_k_enabled(self) -> bool:
+        return self.top_k > 0

@@ -1,0 +1,84 @@
+"""A `Sequence`: one stream of tokens being generated (a request has n of them).
+
+Pure Python (no torch): the scheduler and block manager work on these objects alone.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvserve.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    index: int = 0  # which of the request's n samples
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    # Tokens whose K/V are in the cache. Prefill chunks and decodes advance it; preemption
+    # by recompute resets it to 0.
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)  # logical block i -> physical block id
+    stop_reason: int | str | None = None
+    error: str | None = None
+    # Per-token timestamps from the engine's monotonic clock.
+    first_scheduled_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished_time: float | None = None
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    # Engine-owned helpers (RNG, detokenizer, stop checker); opaque here.
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """Still feeding tokens it already knows (the prompt, or a preempted sequence's output)."""
+        return self.num_computed_tokens < self.num_tokens - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    def append_token(self, token_id: int, now: float) -> None:
+        self.output_token_ids.append(token_id)
+        self.token_times.append(now)
+
+    def finish(self, status: SequenceStatus, now: float, reason: int | str | None = None) -> None:
+        self.status = status
+        self.stop_reason = reason
+        self.finished_time = now

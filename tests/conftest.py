@@ -1,0 +1,53 @@
+"""Shared fixtures. The Gemma model and the HF oracle are loaded once per session."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.manual_seed(0)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the oracle never reaches a hub
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+WIKITEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext2"
+
+
+@pytest.fixture(scope="session")
+def gemma_path() -> Path:
+    from kvserve.loading.loader import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def gemma(gemma_path):
+    """Our Gemma 3 270M (fp32), loaded once."""
+    from kvserve.loading import load_model
+
+    return load_model(gemma_path)
+
+
+@pytest.fixture(scope="session")
+def hf_gemma(gemma_path):
+    """HF transformers' Gemma 3 270M from the same GGUF: the reference oracle."""
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(str(gemma_path.parent), gguf_file=gemma_path.name, dtype=torch.float32)
+    return m.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_gemma_tokenizer(gemma_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(gemma_path.parent), gguf_file=gemma_path.name)
+
+
+@pytest.fixture(scope="session")
+def gemma_llm(gemma):
+    """An LLM over the shared Gemma weights (engine state is cheap; weights are shared)."""
+    from kvserve import LLM
+
+    return LLM(loaded=gemma, kv_cache_gib=0.5)

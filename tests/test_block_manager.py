@@ -1,0 +1,327 @@
+"""BlockManager: prefix caching, LRU reuse, copy-on-write, and invariants under random ops.
+
+No model and no torch: a dict stands in for the KV pool (slot -> token id written there), so
+the tests check that every computed position of every live sequence really reads back its
+own token, through prefix hits, forks, copy-on-write and block reuse.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from kvserve.engine.block_manager import BlockManager
+from kvserve.sequence import Sequence
+
+
+@dataclass
+class Params:  # stand-in for SamplingParams: Sequence only reads these two
+    max_tokens: int | None = 16
+    n: int = 1
+
+
+_ids = iter(range(10**9))
+
+
+def make_seq(prompt: list[int], salt=None) -> Sequence:
+    sid = next(_ids)
+    seq = Sequence(sid, f"req-{sid}", list(prompt), Params(), 0.0)
+    if salt is not None:
+        seq.extra["cache_salt"] = salt
+    return seq
+
+
+class FakeKV:
+    """The model runner's side: copies blocks, writes tokens at their slots, reads them back."""
+
+    def __init__(self, bm: BlockManager):
+        self.bm, self.slots = bm, {}
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        bs = self.bm.block_size
+        for src, dst in pairs:
+            for off in range(bs):
+                self.slots[dst * bs + off] = self.slots.get(src * bs + off)
+
+    def forward(self, seq: Sequence, n: int) -> None:
+        """Write positions [computed, computed + n) and advance, like a forward pass."""
+        toks = seq.all_token_ids
+        for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+            self.slots[self.bm.slot(seq, p)] = toks[p]
+        seq.num_computed_tokens += n
+        self.bm.mark_computed(seq)
+
+    def check(self, seq: Sequence) -> None:
+        toks = seq.all_token_ids
+        got = [self.slots.get(self.bm.slot(seq, p)) for p in range(seq.num_computed_tokens)]
+        assert got == toks[: seq.num_computed_tokens], f"seq {seq.seq_id} reads wrong KV"
+
+
+def run_prefill(bm: BlockManager, kv: FakeKV, seq: Sequence) -> int:
+    """Allocate and compute seq's whole known tail; returns the cached tokens."""
+    n = seq.num_tokens - bm.num_cached_tokens(seq) - seq.num_computed_tokens
+    cached = bm.allocate(seq, n)
+    kv.copy(bm.take_block_copies())
+    kv.forward(seq, seq.num_tokens - seq.num_computed_tokens)
+    return cached
+
+
+# ---- targeted tests ---------------------------------------------------------------------
+def test_prefix_hit_reuses_full_blocks_and_never_the_last_token():
+    bm = BlockManager(16, block_size=4)
+    kv = FakeKV(bm)
+    a = make_seq(list(range(10)))
+    assert run_prefill(bm, kv, a) == 0
+    b = make_seq(list(range(10)) + [99])
+    assert bm.num_cached_tokens(b) == 8
+    assert bm.allocate(b, 3) == 8
+    assert b.num_computed_tokens == 8 and b.block_table[:2] == a.block_table[:2]
+    assert b.block_table[2] != a.block_table[2]  # a's third block is partial: never shared
+    assert bm.blocks[a.block_table[0]].ref_count == 2
+    kv.forward(b, 3)
+    kv.check(a), kv.check(b)
+    # A prompt that is exactly two cached blocks still recomputes its last block.
+    c = make_seq(list(range(8)))
+    assert bm.allocate(c, 4) == 4 and c.num_computed_tokens == 4
+    assert bm.prefix_cache_queries == 10 + 11 + 8 and bm.prefix_cache_hits == 8 + 4
+    bm.check_invariants([a, b, c])
+
+
+def test_hash_registered_only_after_mark_computed():
+    bm = BlockManager(16, block_size=4)
+    a = make_seq(list(range(12)))
+    bm.allocate(a, 12)
+    assert bm.num_cached_tokens(make_seq(list(range(12)))) == 0  # allocated, not computed
+    a.num_computed_tokens = 6
+    assert bm.num_cached_tokens(make_seq(list(range(12)))) == 0  # computed, not marked
+    bm.mark_computed(a)
+    assert bm.num_cached_tokens(make_seq(list(range(12)))) == 4  # only the full computed block
+    a.num_computed_tokens = 12
+    bm.mark_computed(a)
+    assert bm.num_cached_tokens(make_seq(list(range(12)))) == 8  # last token is recomputed
+    bm.check_invariants([a])
+
+
+def test_hit_is_verified_by_tokens_not_hash():
+    bm = BlockManager(8, block_size=4)
+    a = make_seq([1, 2, 3, 4, 5])
+    run_prefill(bm, kv := FakeKV(bm), a)
+    blk = bm.blocks[a.block_table[0]]
+    blk.token_ids = (9, 9, 9, 9)  # simulate a collision: same hash, other tokens
+    assert bm.num_cached_tokens(make_seq([1, 2, 3, 4, 5])) == 0
+    with pytest.raises(AssertionError, match="differ"):
+        bm.check_invariants([a])
+    del kv
+
+
+def test_cache_salt_separates_prefixes():
+    bm = BlockManager(16, block_size=4)
+    run_prefill(bm, FakeKV(bm), make_seq(list(range(9)), salt="lora-a"))
+    assert bm.num_cached_tokens(make_seq(list(range(9)), salt="lora-a")) == 8
+    assert bm.num_cached_tokens(make_seq(list(range(9)), salt="lora-b")) == 0
+    assert bm.num_cached_tokens(make_seq(list(range(9)))) == 0
+
+
+def test_freed_blocks_keep_hash_and_are_reused_lru():
+    bm = BlockManager(3, block_size=2)
+    kv = FakeKV(bm)
+    a = make_seq([1, 2, 9])
+    run_prefill(bm, kv, a)
+    a0 = a.block_table[0]
+    bm.free(a)
+    b = make_seq([3, 4, 9])
+    assert run_prefill(bm, kv, b) == 0
+    assert a0 not in b.block_table  # blocks without a hash are used before cached ones
+    b0 = b.block_table[0]
+    bm.free(b)
+    assert bm.num_free_blocks == 3 and bm.usage() == 0.0
+    # Both prefixes still hit while their blocks sit in the free pool.
+    assert bm.num_cached_tokens(make_seq([1, 2, 0])) == 2
+    assert bm.num_cached_tokens(make_seq([3, 4, 0])) == 2
+    c = make_seq([5, 6, 7, 8, 0])  # needs all 3 blocks: evicts a0 (least recently freed) last
+    bm.allocate(c, 5)
+    assert bm.num_cached_tokens(make_seq([1, 2, 0])) == 0
+    bm.free(c)
+    d = make_seq([5, 6, 0, 0, 0])
+    bm.allocate(d, 2)  # one block: the LRU cached block is b0, since a0 was reused
+    bm.check_invariants([d])
+    e = make_seq([9, 9, 9, 9, 9])
+    bm.allocate(e, 4)
+    assert b0 in d.block_table + e.block_table
+    assert bm.num_free_blocks == 0 and bm.usage() == 1.0
+    bm.check_invariants([d, e])
+
+
+def test_lru_order_evicts_least_recently_freed_first():
+    bm = BlockManager(4, block_size=2)
+    kv = FakeKV(bm)
+    seqs = [make_seq([i, i, 0]) for i in (1, 2)]
+    for s in seqs:
+        run_prefill(bm, kv, s)
+    first, second = (s.block_table[0] for s in seqs)
+    bm.free(seqs[1])  # freed first: evicted first, although allocated later
+    bm.free(seqs[0])
+    x = make_seq([7, 7, 7])
+    bm.allocate(x, 3)  # 2 plain free blocks remain from the partial tails: no eviction yet
+    assert bm.num_cached_tokens(make_seq([1, 1, 0])) == 2 and bm.num_cached_tokens(make_seq([2, 2, 0])) == 2
+    y = make_seq([8, 8, 8])
+    bm.allocate(y, 1)
+    assert y.block_table == [second]
+    assert bm.num_cached_tokens(make_seq([2, 2, 0])) == 0 and bm.num_cached_tokens(make_seq([1, 1, 0])) == 2
+    assert first not in x.block_table + y.block_table
+
+
+def test_copy_on_write_for_forks_appending_into_shared_partial_block():
+    bm = BlockManager(8, block_size=4)
+    kv = FakeKV(bm)
+    parent = make_seq([1, 2, 3, 4, 5, 6])
+    run_prefill(bm, kv, parent)
+    parent.append_token(7, 0.0)
+    child = make_seq(parent.prompt_token_ids)
+    child.output_token_ids = [8]  # the fork sampled a different first token
+    bm.fork(parent, child)
+    assert child.block_table == parent.block_table and child.num_computed_tokens == 6
+    shared = parent.block_table[1]
+    assert bm.blocks[shared].ref_count == 2
+    bm.check_invariants([parent, child])
+
+    bm.allocate(parent, 1)
+    copies = bm.take_block_copies()
+    assert copies == [(shared, parent.block_table[1])] and parent.block_table[1] != shared
+    assert parent.block_table[0] == child.block_table[0]  # the full block stays shared
+    bm.allocate(child, 1)  # now the sole holder: writes in place
+    assert bm.take_block_copies() == [] and child.block_table[1] == shared
+    kv.copy(copies)
+    kv.forward(parent, 1), kv.forward(child, 1)
+    kv.check(parent), kv.check(child)
+    bm.check_invariants([parent, child])
+    bm.free(parent), bm.free(child)
+    assert bm.num_free_blocks == 8
+
+
+def test_copy_on_write_public_method_and_block_aligned_fork():
+    bm = BlockManager(8, block_size=4)
+    kv = FakeKV(bm)
+    parent = make_seq([1, 2, 3, 4, 5, 6])
+    run_prefill(bm, kv, parent)
+    child = make_seq(parent.prompt_token_ids)
+    bm.fork(parent, child)
+    pairs = bm.copy_on_write(child)
+    assert pairs == [(parent.block_table[1], child.block_table[1])]
+    assert bm.copy_on_write(child) == [] and bm.copy_on_write(parent) == []
+    bm.check_invariants([parent, child])
+    # Block-aligned prompt: the next token opens a new block, nothing to copy.
+    p2 = make_seq([1, 2, 3, 4, 5, 6, 7, 8])
+    run_prefill(bm, kv, p2)
+    c2 = make_seq(p2.prompt_token_ids)
+    bm.fork(p2, c2)
+    c2.append_token(0, 0.0)
+    bm.allocate(c2, 1)
+    assert bm.take_block_copies() == [] and len(c2.block_table) == 3
+
+
+def test_can_allocate_counts_revived_cached_blocks_and_copies():
+    bm = BlockManager(3, block_size=2)
+    kv = FakeKV(bm)
+    a = make_seq([1, 2, 3, 4, 5])
+    run_prefill(bm, kv, a)
+    bm.free(a)
+    b = make_seq([1, 2, 3, 4, 5, 6])  # hits 2 blocks (both free) and needs 1 more
+    assert bm.num_cached_tokens(b) == 4
+    assert bm.can_allocate(b, 2) and not bm.can_allocate(b, 3)
+    assert not bm.can_allocate(b, 2, reserve_blocks=1)
+    assert bm.allocate(b, 2) == 4 and bm.num_free_blocks == 0
+    with pytest.raises(RuntimeError):
+        bm.allocate(make_seq([9]), 1)
+    bm.check_invariants([b])
+
+
+def test_reset_prefix_cache_and_slot():
+    bm = BlockManager(8, block_size=4)
+    a = make_seq(list(range(9)))
+    run_prefill(bm, FakeKV(bm), a)
+    assert bm.slot(a, 5) == a.block_table[1] * 4 + 1
+    bm.free(a)
+    bm.reset_prefix_cache()
+    assert bm.num_cached_tokens(make_seq(list(range(9)))) == 0 and bm.num_free_blocks == 8
+    bm.check_invariants([])
+
+
+def test_check_invariants_catches_corruption():
+    bm = BlockManager(4, block_size=2)
+    a = make_seq([1, 2, 3])
+    bm.allocate(a, 3)
+    bm.check_invariants([a])
+    with pytest.raises(AssertionError, match="holders"):
+        bm.check_invariants([])  # a's blocks are referenced but no live table holds them
+    a.block_table.append(99)
+    with pytest.raises(AssertionError, match="out of range"):
+        bm.check_invariants([a])
+    a.block_table.pop()
+    bm.blocks[a.block_table[0]].ref_count = 0
+    bm._free_plain.append(a.block_table[0])
+    with pytest.raises(AssertionError):
+        bm.check_invariants([a])
+
+
+def test_prefix_caching_disabled():
+    bm = BlockManager(8, block_size=2, enable_prefix_caching=False)
+    run_prefill(bm, FakeKV(bm), make_seq([1, 2, 3]))
+    assert bm.num_cached_tokens(make_seq([1, 2, 3])) == 0 and bm.prefix_cache_queries == 0
+
+
+# ---- random operation sequences ---------------------------------------------------------
+OPS = ["new", "step", "step", "step", "append", "append", "fork", "free"]
+ops = st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 10**6)), min_size=20, max_size=60)
+# Three prompt families over a tiny vocabulary: prefixes are shared often.
+STEMS = [[1, 2, 1, 2, 1, 2, 1, 2, 1], [1, 2, 1, 2, 0, 0, 0, 0, 0], [2, 2, 2, 2, 2, 2, 2, 2, 2]]
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=ops, block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(1, 24))
+def test_random_ops_keep_invariants(ops, block_size, num_blocks):
+    bm = BlockManager(num_blocks, block_size)
+    kv = FakeKV(bm)
+    live: list[Sequence] = []
+    for op, r in ops:
+        if op == "new":
+            live.append(make_seq(STEMS[r % 3][: 1 + (r >> 2) % 9]))
+        elif live:
+            seq = live[r % len(live)]
+            if op == "step" and seq.num_uncomputed_tokens > 0:
+                first = not seq.block_table and seq.num_computed_tokens == 0
+                cached = bm.num_cached_tokens(seq)
+                assert cached < seq.num_tokens and cached % block_size == 0
+                remaining = seq.num_tokens - seq.num_computed_tokens - cached
+                n = remaining if r % 2 else 1 + (r >> 4) % remaining  # whole or a chunk
+                if bm.can_allocate(seq, n):
+                    free_before = bm.num_free_blocks
+                    assert bm.allocate(seq, n) == cached
+                    assert first or cached == 0
+                    copies = bm.take_block_copies()
+                    assert free_before - bm.num_free_blocks >= len(copies)
+                    kv.copy(copies)
+                    kv.forward(seq, n)
+                    if cached:
+                        event("prefix hit")
+                    if copies:
+                        event("copy-on-write")
+            elif op == "append" and seq.num_uncomputed_tokens == 0:
+                seq.append_token((r >> 2) % 3, 0.0)
+            elif op == "fork" and seq.block_table:
+                child = make_seq(seq.prompt_token_ids)
+                child.output_token_ids = list(seq.output_token_ids)
+                bm.fork(seq, child)
+                live.append(child)
+            elif op == "free":
+                bm.free(seq)
+                live.remove(seq)
+        bm.check_invariants(live)
+        for s in live:
+            kv.check(s)
+    for s in live:
+        bm.free(s)
+    bm.check_invariants([])
+    assert bm.num_free_blocks == num_blocks and bm.usage() == 0.0

@@ -1,0 +1,317 @@
+"""Sampler against oracles: argmax, softmax frequencies, brute-force filters, hand penalties."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.sampling import Sampler, SamplingRequest, apply_penalties, filter_logits
+from kvserve.sampling_params import SamplingParams
+
+EOS = 2
+
+
+@pytest.fixture(autouse=True)
+def _single_thread():
+    """These tensors are tiny: intra-op threads only add sync overhead, which reaches
+    milliseconds per op on a busy shared CPU. Restored afterwards for other test files."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def req(
+    params: SamplingParams | None = None,
+    prompt: list[int] | None = None,
+    output: list[int] | None = None,
+    seed: int | None = None,
+) -> SamplingRequest:
+    gen = None if seed is None else torch.Generator().manual_seed(seed)
+    return SamplingRequest(params or SamplingParams(), prompt or [], output or [], gen)
+
+
+def greedy(**kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, **kw)
+
+
+# ---------------------------------------------------------------- greedy + logprobs
+
+
+def test_greedy_equals_argmax_of_raw_logits() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(8, 5000)
+    logits[3, 17] = logits[3, 4000] = 50.0  # tie: must match torch.argmax (first index)
+    out = Sampler([EOS])(logits, [req(greedy()) for _ in range(8)])
+    assert out.token_ids == logits.argmax(-1).tolist()
+    assert out.token_ids[3] == 17
+
+
+def test_logprobs_are_raw_log_softmax() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(3, 300) * 3
+    reqs = [
+        req(SamplingParams(temperature=0.5, top_k=5, logprobs=5, repetition_penalty=1.5), prompt=[1, 2, 3]),
+        req(greedy(presence_penalty=1.0, logprobs=0), output=[4, 4]),
+        req(SamplingParams(temperature=1.3, top_p=0.8), seed=3),
+    ]
+    out = Sampler([EOS])(logits, reqs)
+    ref = torch.log_softmax(logits, dim=-1)
+    for i, tok in enumerate(out.token_ids):
+        assert out.logprobs[i] == pytest.approx(ref[i, tok].item(), abs=1e-5)
+    vals, ids = ref[0].topk(5)
+    assert list(out.top_logprobs[0]) == ids.tolist()
+    assert list(out.top_logprobs[0].values()) == pytest.approx(vals.tolist(), abs=1e-5)
+    assert out.top_logprobs[1] == {}
+    assert out.top_logprobs[2] is None
+
+
+# ---------------------------------------------------------------- distributions
+
+
+def _frequencies(tokens: list[int], vocab: int) -> torch.Tensor:
+    return torch.bincount(torch.tensor(tokens), minlength=vocab).double() / len(tokens)
+
+
+def test_sampling_matches_softmax_with_temperature() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0, 1.5]])
+    params = SamplingParams(temperature=0.7)
+    draws = 40_000
+    torch.manual_seed(1234)
+    out = Sampler([99])(logits.expand(draws, -1), [req(params) for _ in range(draws)])
+    expected = torch.softmax(logits[0].double() / 0.7, dim=-1)
+    freq = _frequencies(out.token_ids, 6)
+    # std of a frequency <= sqrt(0.25 / 40000) = 0.0025: 0.012 is ~5 sigma.
+    assert (freq - expected).abs().max() < 0.012
+    chi2 = (((freq - expected) ** 2) / expected).sum().item() * draws
+    assert chi2 < 30.0  # 5 dof: p ~ 1.5e-5
+
+
+def test_seeded_generator_samples_the_right_distribution() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0, -0.5]])
+    gen = torch.Generator().manual_seed(7)
+    sampler = Sampler([99])
+    r = SamplingRequest(SamplingParams(temperature=1.0), [], [], gen)
+    tokens = [sampler(logits, [r]).token_ids[0] for _ in range(3000)]
+    expected = torch.softmax(logits[0].double(), dim=-1)
+    assert (_frequencies(tokens, 4) - expected).abs().max() < 0.045  # ~5 sigma
+
+
+def test_filtered_distribution_is_renormalized_softmax() -> None:
+    logits = torch.tensor([[3.0, 2.5, 2.0, 1.0, 0.0, -1.0, 2.8]])
+    params = SamplingParams(temperature=1.0, top_k=3)
+    draws = 30_000
+    torch.manual_seed(5)
+    out = Sampler([99])(logits.expand(draws, -1), [req(params) for _ in range(draws)])
+    kept = torch.tensor([0, 1, 6])
+    expected = torch.zeros(7, dtype=torch.float64)
+    expected[kept] = torch.softmax(logits[0, kept].double(), dim=-1)
+    assert (_frequencies(out.token_ids, 7) - expected).abs().max() < 0.015
+
+
+# ---------------------------------------------------------------- filters vs brute force
+
+
+def _reference_keep(row: torch.Tensor, p: SamplingParams) -> set[int]:
+    """Brute force in float64: which tokens survive temperature, top-k, top-p, min-p."""
+    x = row.double() / p.temperature
+    order = sorted(range(len(x)), key=lambda i: -x[i].item())
+    keep = set(order)
+    if 0 < p.top_k < len(x):
+        kth = x[order[p.top_k - 1]].item()
+        keep = {i for i in keep if x[i].item() >= kth}
+    if p.top_p < 1.0:
+        probs = torch.softmax(torch.where(torch.tensor([i in keep for i in range(len(x))]), x, -torch.inf), -1)
+        mass, new_keep = 0.0, set()
+        for i in order:  # most likely first, until the mass reaches p
+            if i not in keep or mass >= p.top_p:
+                continue
+            new_keep.add(i)
+            mass += probs[i].item()
+        keep = new_keep
+    if p.min_p > 0.0:
+        probs = torch.softmax(torch.where(torch.tensor([i in keep for i in range(len(x))]), x, -torch.inf), -1)
+        keep = {i for i in keep if probs[i].item() >= p.min_p * probs.max().item()}
+    return keep
+
+
+FILTER_PARAMS = [
+    SamplingParams(temperature=0.8, top_k=5),
+    SamplingParams(temperature=1.0, top_k=1),
+    SamplingParams(temperature=1.2, top_p=0.5),
+    SamplingParams(temperature=0.5, top_p=0.9),
+    SamplingParams(temperature=1.0, min_p=0.1),
+    SamplingParams(temperature=2.0, top_k=20, top_p=0.7, min_p=0.05),
+    SamplingParams(temperature=1.0, top_k=-1, top_p=0.95),
+    SamplingParams(temperature=1.0, top_k=1000),  # k >= vocab: disabled
+    SamplingParams(temperature=1.0),
+]
+
+
+def test_filter_kept_sets_equal_brute_force() -> None:
+    torch.manual_seed(2)
+    logits = torch.randn(len(FILTER_PARAMS), 64) * 2
+    filtered = filter_logits(logits, FILTER_PARAMS)
+    for i, p in enumerate(FILTER_PARAMS):
+        kept = set(torch.nonzero(filtered[i] > -torch.inf).flatten().tolist())
+        assert kept == _reference_keep(logits[i], p), p
+
+
+@pytest.mark.parametrize("scale", [0.05, 5.0])  # flat: full-sort fallback; peaked: top-1024 path
+def test_top_p_large_vocab_equals_brute_force(scale: float) -> None:
+    torch.manual_seed(6)
+    params = [SamplingParams(top_p=0.9), SamplingParams(top_p=0.3, min_p=0.01), SamplingParams(top_k=3000, top_p=0.95)]
+    logits = torch.randn(len(params), 4096) * scale
+    filtered = filter_logits(logits, params)
+    for i, p in enumerate(params):
+        kept = set(torch.nonzero(filtered[i] > -torch.inf).flatten().tolist())
+        assert kept == _reference_keep(logits[i], p), p
+        # survivors keep their (temperature-scaled) logit
+        assert torch.equal(filtered[i][list(kept)], logits[i][list(kept)] / p.temperature)
+
+
+def test_top_k_keeps_ties_at_the_kth_value() -> None:
+    logits = torch.tensor([[1.0, 3.0, 2.0, 2.0, 0.0]])
+    filtered = filter_logits(logits, [SamplingParams(top_k=2)])
+    assert (filtered[0] > -torch.inf).tolist() == [False, True, True, True, False]
+
+
+def test_samples_never_leave_the_kept_set() -> None:
+    torch.manual_seed(3)
+    rows = len(FILTER_PARAMS)
+    logits = torch.randn(rows, 64) * 2
+    keep = [_reference_keep(logits[i], p) for i, p in enumerate(FILTER_PARAMS)]
+    sampler = Sampler([99])
+    reqs = [req(p) for p in FILTER_PARAMS]
+    for _ in range(200):
+        out = sampler(logits, reqs)
+        for i, tok in enumerate(out.token_ids):
+            assert tok in keep[i]
+
+
+def test_no_full_sort_without_top_p(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_sort(*args, **kwargs):
+        raise AssertionError("vocabulary sorted without top_p")
+
+    monkeypatch.setattr(torch, "sort", no_sort)
+    monkeypatch.setattr(torch.Tensor, "sort", no_sort)
+    monkeypatch.setattr(torch, "argsort", no_sort)
+    monkeypatch.setattr(torch.Tensor, "argsort", no_sort)
+    logits = torch.randn(3, 262_144)
+    reqs = [req(greedy()), req(SamplingParams(temperature=0.9, min_p=0.05)), req(SamplingParams(top_k=40))]
+    out = Sampler([1])(logits, reqs)
+    assert out.token_ids[0] == logits[0].argmax().item()
+
+
+def test_top_p_on_peaked_logits_does_not_sort_the_vocabulary(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_sort(*args, **kwargs):
+        raise AssertionError("full sort although the top candidates hold the mass")
+
+    logits = torch.randn(2, 262_144)
+    logits[:, :10] += 20.0
+    monkeypatch.setattr(torch, "sort", no_sort)
+    out = Sampler([1])(logits, [req(SamplingParams(top_p=0.9)), req(SamplingParams(top_p=0.5), seed=0)])
+    assert all(t < 10 for t in out.token_ids)
+
+
+def test_rounding_overflow_never_picks_a_filtered_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """u * total may round up to the total: the sample must stay on a kept token."""
+    real_rand = torch.rand
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones_like(real_rand(*a, **k)))
+    logits = torch.tensor([[0.0, 1.0, -torch.inf, -torch.inf], [0.0, 1.0, 5.0, -30.0]])
+    params = [SamplingParams(), SamplingParams(top_k=2)]
+    assert Sampler([9])(logits, [req(p) for p in params]).token_ids == [1, 2]
+
+
+# ---------------------------------------------------------------- penalties
+
+
+def test_repetition_penalty_hand_computed() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, -3.0, 1.0, 0.0]])
+    r = req(greedy(repetition_penalty=2.0), prompt=[0, 1], output=[1, 3])
+    out = apply_penalties(logits, [r], [EOS])
+    assert out.tolist() == [[1.0, -2.0, 0.5, -6.0, 1.0, 0.0]]
+    assert logits.tolist() == [[2.0, -1.0, 0.5, -3.0, 1.0, 0.0]]  # input untouched
+
+
+def test_frequency_presence_penalty_hand_computed() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, -3.0, 1.0, 0.0]])
+    r = req(greedy(frequency_penalty=0.5, presence_penalty=0.25), prompt=[5, 5, 5], output=[1, 4, 4, 4])
+    out = apply_penalties(logits, [r], [EOS])
+    # token 1: once -> -0.5 - 0.25; token 4: three times -> -1.5 - 0.25; prompt ignored.
+    assert out[0].tolist() == pytest.approx([2.0, -1.75, 0.5, -3.0, -0.75, 0.0])
+
+
+def test_all_penalties_combined_order() -> None:
+    logits = torch.tensor([[4.0, -2.0, 1.0]])
+    r = req(greedy(repetition_penalty=2.0, frequency_penalty=1.0), prompt=[0], output=[1, 1])
+    # repetition first (4 -> 2, -2 -> -4), then frequency (-4 - 2 = -6).
+    assert apply_penalties(logits, [r], [EOS]).tolist() == [[2.0, -6.0, 1.0]]
+
+
+def test_penalty_changes_greedy_choice() -> None:
+    logits = torch.tensor([[3.0, 2.9, 0.0]])
+    sampler = Sampler([EOS])
+    assert sampler(logits, [req(greedy())]).token_ids == [0]
+    assert sampler(logits, [req(greedy(repetition_penalty=1.2), output=[0])]).token_ids == [1]
+
+
+def test_no_penalty_returns_same_tensor() -> None:
+    logits = torch.randn(2, 10)
+    assert apply_penalties(logits, [req(), req(greedy())], [EOS]) is logits
+
+
+def test_min_tokens_masks_eos_and_stop_ids() -> None:
+    logits = torch.zeros(1, 6)
+    logits[0, EOS] = 10.0
+    logits[0, 4] = 9.0
+    logits[0, 1] = 8.0
+    sampler = Sampler([EOS])
+    params = greedy(min_tokens=2, stop_token_ids=[4], ignore_eos=True)
+    assert sampler(logits, [req(params, output=[0])]).token_ids == [1]
+    assert sampler(logits, [req(params, output=[0, 0])]).token_ids == [EOS]
+    # logprob is still taken from the raw logits.
+    out = sampler(logits, [req(params, output=[0])])
+    assert out.logprobs[0] == pytest.approx(torch.log_softmax(logits, -1)[0, 1].item(), abs=1e-6)
+
+
+# ---------------------------------------------------------------- reproducibility
+
+
+def test_same_seed_same_tokens_whatever_the_batch() -> None:
+    torch.manual_seed(4)
+    vocab = 1000
+    target = torch.randn(vocab)
+    params = SamplingParams(temperature=1.0, top_p=0.9, min_p=0.01)
+    sampler = Sampler([EOS])
+
+    def run(companions: int, greedy_first: bool) -> list[int]:
+        torch.manual_seed(companions)  # disturb the global RNG too
+        seeded = req(params, seed=123)
+        tokens = []
+        for _ in range(20):
+            others = [req(SamplingParams(temperature=0.7, top_k=3)) for _ in range(companions)]
+            rows = [req(greedy())] + others + [seeded] if greedy_first else [seeded] + others
+            logits = torch.randn(len(rows), vocab)
+            pos = len(rows) - 1 if greedy_first else 0
+            logits[pos] = target
+            tokens.append(sampler(logits, rows).token_ids[pos])
+        return tokens
+
+    base = run(0, False)
+    assert len(set(base)) > 1  # actually random
+    assert run(5, False) == base
+    assert run(3, True) == base
+
+
+def test_different_seeds_differ() -> None:
+    logits = torch.zeros(1, 1000)
+    sampler = Sampler([EOS])
+    a = [sampler(logits, [r]).token_ids[0] for r in [req(seed=1)] * 10]
+    b = [sampler(logits, [r]).token_ids[0] for r in [req(seed=2)] * 10]
+    assert a != b
+
+
+def test_rejects_bad_shapes() -> None:
+    with pytest.raises(ValueError):
+        Sampler([EOS])(torch.zeros(2, 5), [req()])

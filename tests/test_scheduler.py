@@ -1,0 +1,377 @@
+"""Scheduler: budgets, chunked prefill, preemption, rejection, abort, forks; random workloads.
+
+No model and no torch: `Engine` below plays the engine and model runner, writing each fed
+token into a dict standing in for the KV pool, so every step also checks that each running
+sequence reads back exactly its own tokens (prefix hits, forks and copy-on-write included).
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from kvserve.engine.block_manager import BlockManager
+from kvserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from kvserve.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class Params:  # stand-in for SamplingParams: Sequence only reads these two
+    max_tokens: int | None = 16
+    n: int = 1
+
+
+_ids = iter(range(10**9))
+
+
+def make_seq(prompt: list[int], max_tokens: int | None = 16, request_id: str | None = None) -> Sequence:
+    sid = next(_ids)
+    return Sequence(sid, request_id or f"req-{sid}", list(prompt), Params(max_tokens), 0.0)
+
+
+class Engine:
+    """Drives a Scheduler like the real engine would, checking every contract on the way."""
+
+    def __init__(self, sched: Scheduler, seed: int = 0):
+        self.sched, self.bm = sched, sched.bm
+        self.rng = random.Random(seed)
+        self.slots: dict[int, int | None] = {}
+        self.finished: list[Sequence] = []
+        self.errors: list[Sequence] = []
+        self.num_copies = 0
+
+    def live(self) -> list[Sequence]:
+        return self.sched.running + list(self.sched.waiting)
+
+    def step(self, finish_prob: float = 0.0) -> SchedulerOutput:
+        s, bm = self.sched, self.bm
+        old_running = list(s.running)
+        decodes = {q.seq_id for q in s.running if q.num_uncomputed_tokens == 1}
+        out = s.schedule()
+        self._check_output(out, old_running, decodes)
+        self.errors += out.finished_with_error
+        self.num_copies += len(out.block_copies)
+        # The runner: copies first, then writes this step's K/V at the slots.
+        bs = bm.block_size
+        for src, dst in out.block_copies:
+            for off in range(bs):
+                self.slots[dst * bs + off] = self.slots.get(src * bs + off)
+        for x in out.scheduled:
+            toks = x.seq.all_token_ids
+            for p in range(x.start, x.start + x.num_tokens):
+                self.slots[bm.slot(x.seq, p)] = toks[p]
+        s.update(out)
+        for x in out.scheduled:
+            assert x.seq.num_computed_tokens == x.start + x.num_tokens
+            if x.needs_logits:
+                self._sample(x.seq, finish_prob)
+        self.check()
+        return out
+
+    def _sample(self, seq: Sequence, finish_prob: float) -> None:
+        seq.append_token(self.rng.randrange(3), 0.0)
+        limit = seq.params.max_tokens or 10**9
+        if len(seq.output_token_ids) >= limit or seq.num_tokens >= self.sched.max_model_len:
+            seq.finish(SequenceStatus.FINISHED_LENGTH, 0.0)
+        elif self.rng.random() < finish_prob:
+            seq.finish(SequenceStatus.FINISHED_STOPPED, 0.0)
+        if seq.finished:
+            self.sched.finish(seq)
+            self.finished.append(seq)
+
+    def _check_output(self, out: SchedulerOutput, old_running: list[Sequence], decodes: set[int]) -> None:
+        s = self.sched
+        assert out.num_batched_tokens == sum(x.num_tokens for x in out.scheduled)
+        assert out.num_batched_tokens <= s.max_num_batched_tokens
+        assert len(out.scheduled) <= s.max_num_seqs and len(s.running) <= max(s.max_num_seqs, len(old_running))
+        assert len({x.seq.seq_id for x in out.scheduled}) == len(out.scheduled)
+        for x in out.scheduled:
+            assert x.num_tokens >= 1 and x.seq.status is SequenceStatus.RUNNING and x.seq in s.running
+            assert x.start + x.num_tokens <= x.seq.num_tokens
+            if not s.enable_chunked_prefill and not x.seq.output_token_ids:
+                assert x.needs_logits, "a prompt was chunked with chunked prefill disabled"
+        # Decodes first.
+        kinds = [x.seq.seq_id in decodes for x in out.scheduled]
+        assert kinds == sorted(kinds, reverse=True), "a prefill chunk came before a decode"
+        # Victims are the newest running sequences, newest first, requeued at the front.
+        if out.preempted:
+            k = len(out.preempted)
+            assert out.preempted == old_running[::-1][:k]
+            assert list(s.waiting)[:k] == out.preempted[::-1]
+            assert all(q.status is SequenceStatus.WAITING and q.num_computed_tokens == 0 for q in out.preempted)
+        for q in out.finished_with_error:
+            assert q.status is SequenceStatus.FINISHED_ERROR and q.error
+
+    def check(self) -> None:
+        live = self.live()
+        self.bm.check_invariants(live)
+        for q in self.sched.running:
+            toks = q.all_token_ids
+            got = [self.slots.get(self.bm.slot(q, p)) for p in range(q.num_computed_tokens)]
+            assert got == toks[: q.num_computed_tokens], f"seq {q.seq_id} reads wrong KV"
+        for q in self.sched.waiting:
+            assert not q.block_table and q.status is SequenceStatus.WAITING
+
+    def drain(self, max_steps: int = 5000) -> int:
+        steps = 0
+        while self.sched.has_unfinished:
+            self.step()
+            steps += 1
+            assert steps <= max_steps, "no progress: a sequence starves"
+        assert self.bm.num_free_blocks == self.bm.num_blocks
+        return steps
+
+
+def fork(sched: Scheduler, parent: Sequence, rng: random.Random) -> Sequence:
+    """What the engine does for n > 1 after the first sample: copy, resample the last token."""
+    child = make_seq(parent.prompt_token_ids, parent.params.max_tokens, parent.request_id)
+    child.output_token_ids = list(parent.output_token_ids)
+    child.output_token_ids[-1] = rng.randrange(3)
+    sched.fork(parent, child)
+    return child
+
+
+# ---- targeted tests ---------------------------------------------------------------------
+def test_chunked_prefill_respects_budget_and_schedules_decodes_first():
+    sched = Scheduler(BlockManager(64, 4), max_num_batched_tokens=8)
+    eng = Engine(sched)
+    a = make_seq([1, 2, 3], max_tokens=50)
+    sched.add(a)
+    eng.step()
+    b = make_seq(list(range(20)), max_tokens=50)
+    sched.add(b)
+    out = eng.step()
+    assert [(x.seq, x.num_tokens) for x in out.scheduled] == [(a, 1), (b, 7)]
+    assert not out.scheduled[1].needs_logits and out.num_batched_tokens == 8
+    out = eng.step()
+    assert [(x.seq, x.num_tokens) for x in out.scheduled] == [(a, 1), (b, 7)]
+    out = eng.step()
+    assert [(x.seq, x.num_tokens) for x in out.scheduled] == [(a, 1), (b, 6)]
+    assert out.scheduled[1].needs_logits and out.num_batched_tokens == 7
+    out = eng.step()
+    assert [(x.seq, x.num_tokens) for x in out.scheduled] == [(a, 1), (b, 1)]
+
+
+def test_running_prefill_leaves_budget_for_newer_decodes():
+    sched = Scheduler(BlockManager(64, 4), max_num_batched_tokens=4)
+    eng = Engine(sched)
+    old = make_seq(list(range(30)), max_tokens=5)
+    sched.add(old)
+    eng.step()
+    young = make_seq([5], max_tokens=5)
+    sched.add(young)
+    out = eng.step()  # the older prefill keeps the whole budget: young is not admitted yet
+    assert [(x.seq, x.num_tokens) for x in out.scheduled] == [(old, 4)] and sched.num_waiting == 1
+    # An older sequence back in prefill (rare: e.g. the engine rewound it) must not eat the
+    # budget of a newer decode: decodes have their tokens reserved up front.
+    eng.drain()
+    sched.max_num_batched_tokens = 8
+    a, b = make_seq(list(range(7)), max_tokens=9), make_seq([5], max_tokens=9)
+    sched.add(a), sched.add(b)
+    eng.step()  # a: 7 tokens, b: 1 token; both decode next
+    a.num_computed_tokens = 0  # rewind a: it now has 8 uncomputed tokens
+    out = eng.step()
+    assert [(x.seq, x.num_tokens) for x in out.scheduled] == [(b, 1), (a, 7)]
+
+
+def test_no_chunking_when_disabled():
+    sched = Scheduler(BlockManager(64, 4), max_num_batched_tokens=8, enable_chunked_prefill=False)
+    eng = Engine(sched)
+    a = make_seq([1, 2, 3], max_tokens=3)
+    sched.add(a)
+    eng.step()
+    b = make_seq(list(range(8)), max_tokens=2)  # 8 tokens: does not fit next to a's decode
+    sched.add(b)
+    out = eng.step()
+    assert [x.seq for x in out.scheduled] == [a] and sched.num_waiting == 1
+    eng.drain()
+    assert b.status is SequenceStatus.FINISHED_LENGTH
+    too_big = make_seq(list(range(9)))
+    sched.add(too_big)
+    assert too_big.status is SequenceStatus.FINISHED_ERROR and "max_num_batched_tokens" in too_big.error
+
+
+def test_prefix_hit_through_the_scheduler():
+    bm = BlockManager(64, 4)
+    sched = Scheduler(bm)
+    eng = Engine(sched)
+    a = make_seq(list(range(10)), max_tokens=3)
+    sched.add(a)
+    eng.step()
+    b = make_seq(list(range(10)), max_tokens=3)
+    sched.add(b)
+    out = eng.step()
+    x = out.scheduled[-1]
+    assert x.seq is b and x.start == 8 and x.num_tokens == 2 and x.needs_logits
+    assert bm.prefix_cache_hits == 8 and bm.prefix_cache_queries == 20
+    eng.drain()
+
+
+def test_too_long_requests_are_rejected_with_a_message_and_do_not_wedge():
+    bm = BlockManager(8, 4)  # 32 token slots
+    sched = Scheduler(bm, max_model_len=32768)
+    long_prompt = make_seq([0] * 40000)
+    too_big_for_pool = make_seq([0] * 20, max_tokens=20)
+    ok = make_seq([1, 2, 3], max_tokens=4)
+    for q in (long_prompt, too_big_for_pool, ok):
+        sched.add(q)
+    assert sched.has_unfinished and sched.num_waiting == 1
+    out = sched.schedule()
+    assert out.finished_with_error == [long_prompt, too_big_for_pool]
+    assert long_prompt.status is SequenceStatus.FINISHED_ERROR
+    assert long_prompt.error == "prompt has 40000 tokens, more than max_model_len 32768"
+    assert "40 tokens" in too_big_for_pool.error and "32 tokens" in too_big_for_pool.error
+    assert [x.seq for x in out.scheduled] == [ok]
+    assert sched.schedule().finished_with_error == []  # reported once
+
+
+def test_max_tokens_none_is_capped_by_max_model_len():
+    sched = Scheduler(BlockManager(4, 4), max_model_len=16)
+    q = make_seq([1, 2], max_tokens=None)
+    sched.add(q)
+    assert q.status is SequenceStatus.WAITING  # 16 tokens fit 4 blocks of 4
+    sched2 = Scheduler(BlockManager(4, 4), max_model_len=17)
+    q2 = make_seq([1, 2], max_tokens=None)
+    sched2.add(q2)
+    assert q2.status is SequenceStatus.FINISHED_ERROR and "KV cache" in q2.error
+
+
+def test_preemption_under_a_tiny_pool_picks_newest_and_everything_finishes():
+    bm = BlockManager(4, 2)
+    sched = Scheduler(bm, max_num_batched_tokens=16)
+    eng = Engine(sched)
+    seqs = [make_seq([i, i], max_tokens=6) for i in range(3)]  # each may reach 8 tokens = 4 blocks
+    for q in seqs:
+        sched.add(q)
+    preempted: list[Sequence] = []
+    for _ in range(200):
+        if not sched.has_unfinished:
+            break
+        preempted += eng.step().preempted  # Engine checks newest-first and requeue-at-front
+    assert not sched.has_unfinished
+    assert preempted and sched.num_preemptions == len(preempted)
+    assert seqs[0] not in preempted  # the oldest always has priority
+    assert all(q.status is SequenceStatus.FINISHED_LENGTH and len(q.output_token_ids) == 6 for q in seqs)
+    assert bm.num_free_blocks == 4
+
+
+def test_lone_sequence_preempts_itself_only_when_sharing_and_resumes():
+    bm = BlockManager(3, 2)
+    sched = Scheduler(bm)
+    eng = Engine(sched)
+    a, b = make_seq([1, 2, 3], max_tokens=3), make_seq([4, 5, 6], max_tokens=3)  # 6 tokens each
+    sched.add(a), sched.add(b)
+    out = eng.step()
+    assert [x.seq for x in out.scheduled] == [a]  # b's first chunk does not fit next to a
+    eng.drain()
+    assert a.finished and b.finished and bm.num_free_blocks == 3
+
+
+def test_abort_frees_blocks_at_once():
+    bm = BlockManager(16, 4)
+    sched = Scheduler(bm, max_num_batched_tokens=6)
+    eng = Engine(sched)
+    a, b = make_seq(list(range(10)), request_id="x"), make_seq(list(range(10)), request_id="y")
+    c = make_seq([1], request_id="x")
+    for q in (a, b, c):
+        sched.add(q)
+    out = sched.schedule()
+    assert a.block_table and sched.num_waiting == 2
+    aborted = sched.abort("x")
+    assert set(map(id, aborted)) == {id(a), id(c)}
+    assert all(q.status is SequenceStatus.FINISHED_ABORTED and not q.block_table for q in aborted)
+    assert sched.num_running == 0 and list(sched.waiting) == [b]
+    assert bm.num_free_blocks == 16
+    sched.update(out)  # a late update for an aborted sequence is ignored
+    assert a.num_computed_tokens == 0 and not a.block_table
+    eng.check()
+    assert sched.abort("nope") == []
+    eng.drain()
+
+
+def test_fork_shares_blocks_and_copies_on_first_divergent_append():
+    bm = BlockManager(16, 4)
+    sched = Scheduler(bm)
+    eng = Engine(sched)
+    parent = make_seq([1, 2, 3, 4, 5, 6], max_tokens=4, request_id="r")
+    other = make_seq([7, 7, 7], max_tokens=4, request_id="s")
+    sched.add(parent), sched.add(other)
+    eng.step()
+    child = fork(sched, parent, eng.rng)
+    assert sched.running == [parent, child, other]
+    shared = parent.block_table[1]
+    assert child.block_table == parent.block_table and bm.blocks[shared].ref_count == 2
+    out = eng.step()
+    assert out.block_copies == [(shared, parent.block_table[1])]
+    assert child.block_table[1] == shared and bm.blocks[shared].ref_count == 1
+    eng.drain()
+    assert parent.finished and child.finished
+
+
+def test_max_num_seqs_cap():
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=2)
+    eng = Engine(sched)
+    for i in range(5):
+        sched.add(make_seq([i], max_tokens=3))
+    out = eng.step()
+    assert len(out.scheduled) == 2 and sched.num_running == 2 and sched.num_waiting == 3
+    eng.drain()
+
+
+def test_scheduled_seq_snapshot():
+    q = make_seq([1, 2, 3])
+    x = ScheduledSeq(q, 3)
+    q.num_computed_tokens = 3
+    q.append_token(0, 0.0)
+    assert x.start == 0 and x.needs_logits
+
+
+# ---- random workloads -------------------------------------------------------------------
+STEMS = [[1, 2, 1, 2, 1, 2, 1, 2, 1, 2], [1, 2, 1, 2, 0, 0, 0, 0, 0, 0], [2] * 10]
+OPS = ["add", "add", "step", "step", "step", "step", "fork", "fork", "abort"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ops=st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 10**6)), min_size=10, max_size=50),
+    num_blocks=st.integers(3, 12),
+    block_size=st.sampled_from([1, 2, 4]),
+    max_num_seqs=st.integers(1, 6),
+    budget=st.integers(1, 16),
+    chunked=st.booleans(),
+    seed=st.integers(0, 3),
+)
+def test_random_workloads_keep_invariants_and_finish(ops, num_blocks, block_size, max_num_seqs, budget, chunked, seed):
+    bm = BlockManager(num_blocks, block_size)
+    sched = Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                      max_model_len=24, enable_chunked_prefill=chunked)
+    eng = Engine(sched, seed)
+    added: list[Sequence] = []
+    for op, r in ops:
+        if op == "add":
+            q = make_seq(STEMS[r % 3][: 1 + (r >> 2) % 10], max_tokens=1 + (r >> 6) % 8,
+                         request_id=f"r{(r >> 9) % 4}")
+            sched.add(q)
+            added.append(q)
+        elif op == "step":
+            eng.step(finish_prob=0.1)
+        elif op == "fork":
+            # The engine forks right after a sequence's first sample.
+            ready = [q for q in sched.running if len(q.output_token_ids) == 1 and q.num_uncomputed_tokens == 1]
+            if ready:
+                added.append(fork(sched, ready[r % len(ready)], eng.rng))
+        elif op == "abort":
+            for q in sched.abort(f"r{r % 4}"):
+                assert q.status is SequenceStatus.FINISHED_ABORTED
+        eng.check()
+    eng.drain()
+    assert all(q.finished for q in added)
+    assert all(q.error for q in added if q.status is SequenceStatus.FINISHED_ERROR)
+    bm.check_invariants([])
+    for name, happened in (("preemption", sched.num_preemptions), ("prefix hit", bm.prefix_cache_hits),
+                           ("copy-on-write", eng.num_copies), ("rejected", eng.errors)):
+        if happened:
+            event(name)

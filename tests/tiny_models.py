@@ -1,0 +1,65 @@
+"""Tiny random checkpoints written by transformers' save_pretrained, for the HF-folder path."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 320
+
+
+def write_tokenizer(folder: Path) -> None:
+    """A small byte-level BPE tokenizer.json trained in memory (no download)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<pad>", "<eos>", "<bos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    text = ["The quick brown fox jumps over the lazy dog. " * 3, "def f(x):\n    return x * 2\n",
+            "Paged attention stores keys and values in blocks."]
+    tok.train_from_iterator(text, trainer)
+    tok.save(str(folder / "tokenizer.json"))
+
+
+def make_config(kind: str):
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  bos_token_id=2, eos_token_id=1, pad_token_id=0, initializer_range=0.1)
+    if kind == "llama":
+        return tf.LlamaConfig(**common, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                      "high_freq_factor": 4.0,
+                                                      "original_max_position_embeddings": 64})
+    if kind == "qwen2":
+        return tf.Qwen2Config(**common, tie_word_embeddings=True)
+    if kind == "qwen3":
+        return tf.Qwen3Config(**common, head_dim=32)
+    if kind == "mistral":
+        return tf.MistralConfig(**common, sliding_window=12)
+    if kind == "gemma3":
+        return tf.Gemma3TextConfig(**{**common, "num_hidden_layers": 6}, head_dim=32, sliding_window=8,
+                                   query_pre_attn_scalar=24, layer_types=["sliding_attention"] * 2 +
+                                   ["full_attention"] + ["sliding_attention"] * 2 + ["full_attention"])
+    raise ValueError(kind)
+
+
+def make_model(kind: str, folder: Path, shard: bool = False):
+    """Write a random tiny model + tokenizer to `folder`; return the HF model (fp32, eval)."""
+    import transformers as tf
+
+    torch.manual_seed(1234)
+    cfg = make_config(kind)
+    cls = tf.Gemma3ForCausalLM if kind == "gemma3" else tf.AutoModelForCausalLM
+    model = cls.from_config(cfg) if cls is tf.AutoModelForCausalLM else cls(cfg)
+    if kind == "gemma3":  # random norm deltas so the (1 + w) convention is exercised
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "norm" in n:
+                    p.normal_(0, 0.3)
+    model = model.float().eval()
+    model.save_pretrained(folder, max_shard_size="60KB" if shard else "2GB")
+    write_tokenizer(folder)
+    return model
