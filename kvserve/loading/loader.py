@@ -70,9 +70,24 @@ def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: to
                                          f"config implies {tuple(p.shape)}")
     sd = {k: v.to(device=device, dtype=dtype) for k, v in state_dict.items()}
     model.load_state_dict(sd, assign=True, strict=True)
+    if torch.device(device).type == "cpu":
+        use_column_major_weights(model)
     # Non-persistent buffers are not in the state dict: rebuild them for real.
     model.rotary = torch.nn.ModuleDict({t: RotaryEmbedding(r, cfg.head_dim) for t, r in cfg.rope.items()}).to(device)
     return model.eval()
+
+
+def use_column_major_weights(model: torch.nn.Module) -> None:
+    """Store every [out, in] matrix column-major (a transposed view of an [in, out] tensor).
+
+    Values and shapes are unchanged, but MKL's GEMV streams a column-major matrix at ~28 GB/s
+    on this CPU against ~16 GB/s row-major, and batch-1 decode is one GEMV per weight: the
+    262144 x 640 LM head alone drops from ~42 to ~24 ms per token.
+    """
+    for module in model.modules():
+        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            w = module.weight
+            module.weight = torch.nn.Parameter(w.detach().t().contiguous().t(), requires_grad=False)
 
 
 def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "float32",

@@ -1,0 +1,57 @@
+"""Helpers shared by the benchmark scripts: timing, bandwidth, machine description, output."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from datetime import date
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+WIKITEXT = ROOT.parent / "shared" / "data" / "wikitext2"
+
+
+def timed(fn: Callable[[], object]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:
+    """Median read bandwidth (GB/s) of a reduction over a `gib` GiB fp32 tensor: what a
+    memory-bound GEMV is limited by."""
+    x = torch.ones(int(gib * 2**30 // 4))
+    x.sum()
+    times = [timed(x.sum) for _ in range(repeats)]
+    return x.numel() * 4 / median(times) / 1e9
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+def save_json(name: str, data: dict, out_dir: str | None) -> None:
+    if not out_dir:
+        return
+    path = Path(out_dir) / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"date": date.today().isoformat(), "machine": machine(), **data}
+    path.write_text(json.dumps(data, indent=1))
+    print(f"wrote {path}")
