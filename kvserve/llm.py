@@ -27,11 +27,13 @@ class LLM:
         """Run every prompt to completion (batched by the scheduler); outputs in prompt order."""
         prompts = _as_list(prompts)
         plist = _params_list(params, len(prompts))
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        ids: list[str] = []
         done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="requests", unit="req", disable=not use_tqdm)
+        bar = tqdm(total=len(prompts), desc="requests", unit="req", disable=not use_tqdm)
         generated = 0
         try:
+            for p, sp in zip(prompts, plist):  # inside the try: a bad prompt withdraws the good ones
+                ids.append(self.engine.add_request(p, sp))
             while self.engine.has_unfinished():
                 for out in self.engine.step():
                     generated += sum(len(c.delta_token_ids) for c in out.outputs)

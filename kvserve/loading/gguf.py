@@ -52,7 +52,7 @@ def _open(path: Path):
     try:
         return gguf.GGUFReader(str(path))
     except Exception as e:  # truncated or corrupt files fail deep inside numpy
-        raise ModelLoadError(path, f"not a readable GGUF file ({type(e).__name__}: {e})") from None
+        raise ModelLoadError(path, f"not a readable GGUF file, truncated or corrupt ({type(e).__name__}: {e})") from None
 
 
 def _field(reader, key: str, default=None, path: Path | None = None):
