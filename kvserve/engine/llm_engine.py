@@ -79,6 +79,7 @@ class LLMEngine:
                                    enable_chunked_prefill=cfg.enable_chunked_prefill)
         self.sampler = Sampler(self.tokenizer.eos_token_ids)
         self.requests: dict[str, _Request] = {}
+        self.num_prompt_tokens_computed = 0  # prompt tokens that went through the model (not cache hits)
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.clock = time.perf_counter  # the one monotonic clock for every timestamp
@@ -121,8 +122,9 @@ class LLMEngine:
         req = _Request(request_id, prompt if isinstance(prompt, str) else None, ids, params, seqs,
                        RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(ids)))
         self.requests[request_id] = req
-        for s in seqs:
-            self.scheduler.add(s)
+        # n > 1: only the first sample is scheduled; the others fork from it once the prompt is
+        # computed, sharing its blocks by reference (copy-on-write on their first append).
+        self.scheduler.add(seqs[0])
         return request_id
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
@@ -147,6 +149,21 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def stats(self) -> dict:
+        """Counters and gauges (what /metrics will export)."""
+        bm, sch = self.block_manager, self.scheduler
+        return {
+            "num_requests_running": sch.num_running,
+            "num_requests_waiting": sch.num_waiting,
+            "kv_cache_usage_perc": bm.usage(),
+            "kv_blocks_total": self.num_blocks,
+            "kv_blocks_free": bm.num_free_blocks,
+            "prefix_cache_queries": bm.prefix_cache_queries,
+            "prefix_cache_hits": bm.prefix_cache_hits,
+            "num_preemptions": sch.num_preemptions,
+            "prompt_tokens_computed": self.num_prompt_tokens_computed,
+        }
+
     # ---------------------------------------------------------------- stepping
     def step(self) -> list[RequestOutput]:
         """One scheduling iteration; returns an output for every request that changed."""
@@ -154,8 +171,11 @@ class LLMEngine:
         touched: set[str] = set()
         now = self.clock()
         for seq in sched.finished_with_error:
-            seq.finished_time = now
-            self.requests[seq.request_id].error = seq.error
+            req = self.requests[seq.request_id]
+            req.error = seq.error
+            for s in req.seqs:  # unforked samples share the parent's fate
+                if not s.finished or s is seq:
+                    s.finish(SequenceStatus.FINISHED_ERROR, now)
             touched.add(seq.request_id)
         if sched.scheduled:
             self._execute(sched, touched)
@@ -171,11 +191,19 @@ class LLMEngine:
                 seq.first_scheduled_time = now
             start = seq.num_computed_tokens
             tokens = seq.all_token_ids[start:start + item.num_tokens]
+            self.num_prompt_tokens_computed += max(0, min(start + item.num_tokens, seq.num_prompt_tokens) - start)
             inputs.append(StepInput(tokens, start, seq.block_table, item.needs_logits))
             if item.needs_logits:
                 samplers.append(seq)
         logits = self.runner.execute(inputs)
         self.scheduler.update(sched)
+        rows = list(range(len(samplers)))
+        for row, seq in list(enumerate(samplers)):
+            for child in self._fork_children(seq):
+                samplers.append(child)
+                rows.append(row)  # a child samples its first token from the parent's logits
+        if len(rows) > logits.shape[0]:
+            logits = logits[torch.tensor(rows, device=logits.device)]
         if not self.config.use_kv_cache:
             # The no-cache baseline: after each sampled token forget everything computed, so the
             # next step recomputes the whole sequence (a long prompt still goes in chunks first).
@@ -189,6 +217,17 @@ class LLMEngine:
         for i, seq in enumerate(samplers):
             self._append(seq, out.token_ids[i], out.logprobs[i], out.top_logprobs[i], now)
             touched.add(seq.request_id)
+
+    def _fork_children(self, parent: Sequence) -> list[Sequence]:
+        """The request's other samples, forked from `parent` right after its prompt is computed."""
+        if parent.index != 0 or parent.output_token_ids:
+            return []
+        req = self.requests[parent.request_id]
+        children = [s for s in req.seqs[1:] if not s.finished and not s.block_table]
+        for child in children:
+            child.first_scheduled_time = parent.first_scheduled_time
+            self.scheduler.fork(parent, child)
+        return children
 
     def _append(self, seq: Sequence, token: int, logprob: float, top: dict | None, now: float) -> None:
         seq.append_token(token, now)
