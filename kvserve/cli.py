@@ -41,7 +41,48 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(gen)
     _add_sampling_args(gen)
     gen.add_argument("--quiet-metrics", action="store_true", help="do not print TTFT/TPOT at the end")
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    tp = bench.add_parser("throughput", help="offline throughput on a random workload (optionally vs HF)")
+    tp.add_argument("--model", default=None)
+    tp.add_argument("--dtype", default="float32")
+    tp.add_argument("--num-prompts", type=_positive, default=64)
+    tp.add_argument("--input-len", type=_positive, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
+    tp.add_argument("--output-len", type=_positive, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
+    tp.add_argument("--seed", type=int, default=0)
+    tp.add_argument("--max-num-seqs", type=_int_list, default=[64], help="comma list: a sweep")
+    tp.add_argument("--max-num-batched-tokens", type=_positive, default=2048)
+    tp.add_argument("--kv-cache-gib", type=float, default=None)
+    tp.add_argument("--hf-batch-sizes", type=_int_list, default=[], help="comma list; empty = skip HF")
+    tp.add_argument("--plot", default=None, help="PNG of throughput vs --max-num-seqs")
+    tp.add_argument("--json", default=None)
     return parser
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _int_list(text: str) -> list[int]:
+    return [_positive(t) for t in text.split(",") if t.strip()] if text.strip() else []
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.bench == "throughput":
+        from kvserve.bench.throughput import main as throughput
+
+        for name in ("input_len", "output_len"):
+            lo, hi = getattr(args, name)
+            if lo > hi:
+                raise ValueError(f"--{name.replace('_', '-')}: MIN {lo} > MAX {hi}")
+        return throughput(args)
+    raise ValueError(f"unknown benchmark {args.bench!r}")
 
 
 def _sampling_params(args: argparse.Namespace):
@@ -85,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="kvserve: %(message)s", stream=sys.stderr)
     try:
-        return {"generate": cmd_generate}[args.command](args)
+        return {"generate": cmd_generate, "bench": cmd_bench}[args.command](args)
     except ValueError as e:  # bad input (ModelLoadError is a ValueError): a message, no traceback
         print(f"kvserve: error: {e}", file=sys.stderr)
         return 2

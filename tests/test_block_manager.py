@@ -272,6 +272,89 @@ def test_prefix_caching_disabled():
     assert bm.num_cached_tokens(make_seq([1, 2, 3])) == 0 and bm.prefix_cache_queries == 0
 
 
+def test_in_flight_prefix_blocks_are_pending_for_other_sequences():
+    bm = BlockManager(32, block_size=4)
+    kv = FakeKV(bm)
+    system = list(range(100, 112))  # 3 full blocks
+    a = make_seq(system + [1, 2])
+    bm.allocate(a, 14)  # blocks 0-2 are full prompt blocks, allocated, not computed
+    b = make_seq(system + [3])
+    assert bm.num_cached_tokens(b) == 0 and bm.num_pending_prefix_tokens(b) == 12
+    assert bm.num_pending_prefix_tokens(make_seq(system[:8] + [3])) == 8  # never the last token
+    assert bm.num_pending_prefix_tokens(make_seq(system)) == 8
+    assert bm.num_pending_prefix_tokens(make_seq(system + [3], salt="other")) == 0
+    assert bm.num_pending_prefix_tokens(make_seq([5] + system)) == 0
+    assert bm.num_pending_prefix_tokens(a) == 0  # a holds blocks: not a waiter
+    bm.check_invariants([a])
+    kv.forward(a, 6)  # block 0 computed and cached; block 1 half computed: still in flight
+    assert bm.num_cached_tokens(b) == 4 and bm.num_pending_prefix_tokens(b) == 8
+    bm.check_invariants([a])
+    kv.forward(a, 8)
+    assert bm.num_cached_tokens(b) == 12 and bm.num_pending_prefix_tokens(b) == 0
+    assert not bm._inflight
+    bm.check_invariants([a])
+
+
+def test_in_flight_bookkeeping_through_fork_free_reset_and_hits():
+    bm = BlockManager(32, block_size=4)
+    kv = FakeKV(bm)
+    system = list(range(100, 116))  # 4 full blocks
+    a = make_seq(system + [1])
+    bm.allocate(a, 6)
+    kv.forward(a, 6)  # block 0 cached, block 1 in flight
+    child = make_seq(a.prompt_token_ids)
+    bm.fork(a, child)  # the child will compute block 1 too
+    bm.check_invariants([a, child])
+    b = make_seq(system + [2])
+    assert bm.num_pending_prefix_tokens(b) == 4
+    bm.free(a)
+    assert bm.num_pending_prefix_tokens(b) == 4  # the child still computes it
+    bm.reset_prefix_cache()  # forgets block 0, keeps the live child's in-flight block
+    assert bm.num_cached_tokens(b) == 0 and bm.num_pending_prefix_tokens(b) == 0  # block 0 is a miss now
+    bm.check_invariants([child])
+    bm.free(child)
+    bm.free(child)  # twice is safe
+    assert not bm._inflight and bm.num_free_blocks == 32
+    bm.check_invariants([])
+    # A later block cached behind an in-flight one counts once that one lands.
+    c = make_seq(system + [3])
+    run_prefill(bm, kv, c)  # blocks 0-3 cached
+    blocks = list(c.block_table)
+    bm.free(c)
+    bm._unregister(blocks[1])  # as if block 1 alone had been evicted (move it to the plain pool)
+    del bm._free_cached[blocks[1]]
+    bm._free_plain.append(blocks[1])
+    d = make_seq(system + [4])
+    assert bm.num_cached_tokens(d) == 4
+    bm.allocate(d, 5)  # hit block 0; blocks 1 and (a fresh) 2 in flight
+    assert bm.num_pending_prefix_tokens(make_seq(system + [5])) == 12  # blocks 1, 2 in flight; 3 cached
+    bm.check_invariants([d])
+
+
+def test_preemption_style_free_and_disabled_caching_leave_nothing_in_flight():
+    bm = BlockManager(16, block_size=2)
+    a = make_seq([1, 2, 3, 4, 5])
+    bm.allocate(a, 5)
+    assert bm.num_pending_prefix_tokens(make_seq([1, 2, 3, 4, 9])) == 4
+    bm.free(a)
+    a.num_computed_tokens = 0  # what the scheduler does on preemption
+    assert bm.num_pending_prefix_tokens(make_seq([1, 2, 3, 4, 9])) == 0
+    bm.check_invariants([])
+    off = BlockManager(16, block_size=2, enable_prefix_caching=False)
+    off.allocate(make_seq([1, 2, 3, 4, 5]), 5)
+    assert not off._inflight and off.num_pending_prefix_tokens(make_seq([1, 2, 3, 4, 9])) == 0
+
+
+def test_check_invariants_catches_a_stale_in_flight_entry():
+    bm = BlockManager(8, block_size=2)
+    a = make_seq([1, 2, 3])
+    bm.allocate(a, 3)
+    bm.check_invariants([a])
+    bm._inflight.setdefault(b"x" * 32, set()).add(a.seq_id)
+    with pytest.raises(AssertionError, match="in-flight index"):
+        bm.check_invariants([a])
+
+
 # ---- random operation sequences ---------------------------------------------------------
 OPS = ["new", "step", "step", "step", "append", "append", "fork", "free"]
 ops = st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 10**6)), min_size=20, max_size=60)
@@ -282,12 +365,62 @@ STEMS = [[1, 2, 1, 2, 1, 2, 1, 2, 1], [1, 2, 1, 2, 0, 0, 0, 0, 0], [2, 2, 2, 2, 
 @settings(max_examples=150, deadline=None)
 @given(ops=ops, block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(1, 24))
 def test_random_ops_keep_invariants(ops, block_size, num_blocks):
+    run_random_ops(ops, lambda r: STEMS[r % 3][: 1 + (r >> 2) % 9], block_size, num_blocks)
+
+
+# Longer shared system prompts with short suffixes: many sequences hold the same prefix in flight.
+SYSTEMS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8], [3, 1, 4, 1, 5, 9, 0, 0, 0, 0, 0, 0], [7] * 12]
+prompts = st.builds(lambda sys, cut, suffix: (SYSTEMS[sys][: 12 - cut] + suffix) or [0],
+                    st.integers(0, 2), st.sampled_from([0, 0, 0, 4, 8, 12]), st.lists(st.integers(0, 2), max_size=5))
+shared_ops = st.lists(
+    st.one_of(st.tuples(st.just("new"), prompts),
+              st.tuples(st.sampled_from(["step", "step", "step", "alloc", "alloc", "append", "fork", "free",
+                                         "probe", "probe"]),
+                        st.integers(0, 10**6))),
+    min_size=20, max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=shared_ops, block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(4, 40))
+def test_random_ops_with_shared_prefixes_keep_invariants(ops, block_size, num_blocks):
+    run_random_ops(ops, lambda prompt: prompt, block_size, num_blocks)
+
+
+def probe_pending(bm: BlockManager, kv: FakeKV, live: list[Sequence], r: int) -> None:
+    """Pending tokens of a waiter really become cache hits once the owners compute their blocks."""
+    waiters = [s for s in live if not s.block_table and s.num_computed_tokens == 0]
+    if not waiters:
+        return
+    w = waiters[r % len(waiters)]
+    cached, pending = bm.num_cached_tokens(w), bm.num_pending_prefix_tokens(w)
+    assert pending % bm.block_size == 0 and cached + pending < w.num_tokens
+    if not pending:
+        return
+    event("pending prefix")
+    # Finish every in-flight block. Its positions are already allocated, so nothing is evicted,
+    # unless a forked block needs copy-on-write first: then skip (that copy could evict).
+    todo = []
+    for s in live:
+        stop = min(len(s.block_table), s.num_prompt_tokens // bm.block_size) * bm.block_size
+        if s is not w and stop > s.num_computed_tokens:
+            first = s.num_computed_tokens // bm.block_size
+            if any(bm.blocks[b].ref_count > 1 for b in s.block_table[first : stop // bm.block_size]):
+                return
+            todo.append((s, stop - s.num_computed_tokens))
+    for s, n in todo:
+        kv.forward(s, n)
+    assert bm.num_cached_tokens(w) >= cached + pending
+
+
+def run_random_ops(ops, prompt_of, block_size: int, num_blocks: int) -> None:
     bm = BlockManager(num_blocks, block_size)
     kv = FakeKV(bm)
     live: list[Sequence] = []
     for op, r in ops:
         if op == "new":
-            live.append(make_seq(STEMS[r % 3][: 1 + (r >> 2) % 9]))
+            live.append(make_seq(prompt_of(r)))
+        elif op == "probe":
+            probe_pending(bm, kv, live, r)
         elif live:
             seq = live[r % len(live)]
             if op == "step" and seq.num_uncomputed_tokens > 0:
@@ -308,6 +441,15 @@ def test_random_ops_keep_invariants(ops, block_size, num_blocks):
                         event("prefix hit")
                     if copies:
                         event("copy-on-write")
+            elif op == "alloc" and seq.num_uncomputed_tokens > 0:
+                # Allocate a chunk but do not compute it yet, like schedule() before update():
+                # its full prompt blocks are in flight until a later "step" computes them.
+                cached = bm.num_cached_tokens(seq)
+                remaining = seq.num_tokens - seq.num_computed_tokens - cached
+                n = 1 + (r >> 4) % remaining
+                if bm.can_allocate(seq, n):
+                    assert bm.allocate(seq, n) == cached
+                    kv.copy(bm.take_block_copies())
             elif op == "append" and seq.num_uncomputed_tokens == 0:
                 seq.append_token((r >> 2) % 3, 0.0)
             elif op == "fork" and seq.block_table:

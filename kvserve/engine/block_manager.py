@@ -12,6 +12,14 @@ and stops at the first miss; the last known token is always recomputed so the mo
 produces logits for it. A freed block keeps its hash and stays findable until the
 allocator reuses it; among cached free blocks, the least recently freed is reused first.
 
+In-flight prefixes. A full prompt block that is allocated but not yet computed is "in flight":
+its hash is known, its K/V will exist after a forward pass or two. The manager indexes these
+hashes so the scheduler can hold back a new sequence whose next blocks another sequence is
+computing right now (`num_pending_prefix_tokens`): it waits a step and hits the cache instead
+of computing the same prefix again. Only prompt blocks count: their tokens never change, so
+the set of in-flight blocks of a sequence is always the logical range
+`[num_registered, min(len(block_table), num_prompt_tokens // block_size))`.
+
 Extra keys: a request may carry `seq.extra["cache_salt"]` (a LoRA name, a per-user salt,
 ...). It is mixed into every block hash so requests with different salts never share K/V.
 Use ints, strings or tuples of them (it is hashed through `repr`).
@@ -72,6 +80,7 @@ class _SeqState:
 
     hashes: list[BlockHash] = field(default_factory=list)  # hashes of the known full blocks
     num_registered: int = 0  # leading full blocks already offered to the prefix cache
+    inflight: range = range(0)  # logical blocks currently indexed in BlockManager._inflight
 
 
 class _Plan(NamedTuple):
@@ -109,6 +118,8 @@ class BlockManager:
         # Free blocks that still hold a registered prefix, least recently freed first.
         self._free_cached: OrderedDict[int, None] = OrderedDict()
         self._hash_to_block: dict[BlockHash, int] = {}
+        # Hashes of in-flight prompt blocks -> ids of the live sequences computing them.
+        self._inflight: dict[BlockHash, set[int]] = {}
         self._seqs: dict[int, _SeqState] = {}
         self._pending_copies: list[tuple[int, int]] = []
         self.prefix_cache_queries = 0  # tokens looked up (vLLM semantics)
@@ -176,6 +187,63 @@ class BlockManager:
         """Tokens the prefix cache would supply if seq were allocated now (no side effects)."""
         return len(self._lookup(seq)) * self.block_size
 
+    def num_pending_prefix_tokens(self, seq: Sequence) -> int:
+        """Tokens beyond seq's cached prefix that OTHER sequences are computing right now.
+
+        Walks seq's full blocks from the first cache miss while they are in flight elsewhere
+        (or cached behind an in-flight block), stopping where a hit would stop (the last known
+        token is never a hit). 0 when the next block is not in flight, when seq already holds
+        blocks, or without prefix caching. Hashes alone decide, without the token-by-token check
+        of a hit: the scheduler asks this of every waiting sequence each step, and a collision
+        would only delay seq a step, never make it read wrong K/V.
+        """
+        if not self._inflight or not self.enable_prefix_caching or not self._is_first_allocation(seq):
+            return 0
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+
+        def block_hash(i: int) -> BlockHash:  # hash lazily: most waiters stop at an early block
+            return self._hashes(seq, i + 1)[i]
+
+        start = 0
+        while start < max_blocks and block_hash(start) in self._hash_to_block:
+            start += 1  # the cached prefix
+        end = start
+        while end < max_blocks:
+            h = block_hash(end)
+            if any(sid != seq.seq_id for sid in self._inflight.get(h, ())):
+                end += 1
+            elif end > start and h in self._hash_to_block:
+                end += 1  # cached, but only reachable once the in-flight blocks before it land
+            else:
+                break
+        return (end - start) * self.block_size
+
+    def _sync_inflight(self, seq: Sequence) -> None:
+        """Re-index seq's in-flight blocks after its table or registered count changed."""
+        if not self.enable_prefix_caching:
+            return
+        st = self._state(seq)
+        stop = min(len(seq.block_table), seq.num_prompt_tokens // self.block_size)
+        new = range(st.num_registered, max(st.num_registered, stop))
+        old = st.inflight
+        if new == old:
+            return
+        hashes = self._hashes(seq, max(new.stop, old.stop))
+        for i in old:
+            if i not in new:
+                self._drop_inflight(hashes[i], seq.seq_id)
+        for i in new:
+            if i not in old:
+                self._inflight.setdefault(hashes[i], set()).add(seq.seq_id)
+        st.inflight = new
+
+    def _drop_inflight(self, h: BlockHash, seq_id: int) -> None:
+        owners = self._inflight.get(h)
+        if owners is not None:
+            owners.discard(seq_id)
+            if not owners:
+                del self._inflight[h]
+
     # ---- allocation -------------------------------------------------------------------
     def _plan(self, seq: Sequence, num_new_tokens: int) -> _Plan:
         hits = self._lookup(seq)
@@ -221,6 +289,7 @@ class BlockManager:
         target = self.blocks_for(seq.num_computed_tokens + num_new_tokens)
         while len(seq.block_table) < target:
             seq.block_table.append(self._take_free_block())
+        self._sync_inflight(seq)
         return len(hits) * self.block_size
 
     def copy_on_write(self, seq: Sequence, num_new_tokens: int = 1) -> list[tuple[int, int]]:
@@ -300,6 +369,7 @@ class BlockManager:
             b.token_ids, b.extra_keys = self._block_tokens(seq, i), extra
             self._hash_to_block[b.hash] = b.block_id
         st.num_registered = num_full
+        self._sync_inflight(seq)  # these blocks are computed now: no longer in flight
 
     # ---- sharing and release ---------------------------------------------------------
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -315,6 +385,7 @@ class BlockManager:
         child.num_computed_tokens = parent.num_computed_tokens
         pst = self._state(parent)
         self._seqs[child.seq_id] = _SeqState(list(pst.hashes), pst.num_registered)
+        self._sync_inflight(child)  # the child will compute the same uncomputed prompt blocks
 
     def free(self, seq: Sequence) -> None:
         """Drop seq's references. Blocks reaching 0 go back to the pool keeping their hash.
@@ -331,14 +402,21 @@ class BlockManager:
                 else:
                     self._free_plain.append(bid)
         seq.block_table = []
-        self._seqs.pop(seq.seq_id, None)
+        st = self._seqs.pop(seq.seq_id, None)
+        if st is not None:  # its in-flight blocks will never be computed: waiters stop waiting
+            for i in st.inflight:
+                self._drop_inflight(st.hashes[i], seq.seq_id)
 
     def slot(self, seq: Sequence, position: int) -> int:
         """Flat KV-pool slot of a token position."""
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
 
     def reset_prefix_cache(self) -> None:
-        """Forget every registered prefix (e.g. after weights change). Counters are kept."""
+        """Forget every registered prefix (e.g. after weights change). Counters are kept.
+
+        In-flight blocks stay indexed: they belong to live sequences and are registered (with
+        whatever K/V those sequences compute) once computed, as usual.
+        """
         for bid in list(self._hash_to_block.values()):
             self.blocks[bid].forget()
         self._hash_to_block.clear()
@@ -348,6 +426,7 @@ class BlockManager:
     # ---- testing aid ------------------------------------------------------------------
     def check_invariants(self, seqs: Iterable[Sequence]) -> None:
         """Assert the bookkeeping is consistent with the given live sequences' block tables."""
+        seqs = list(seqs)  # walked several times
         holders: dict[int, int] = {}
         for s in seqs:
             assert len(set(s.block_table)) == len(s.block_table), f"seq {s.seq_id} repeats a block"
@@ -382,6 +461,34 @@ class BlockManager:
                 f"block {b.block_id} holds a hash the cache does not map to it"
             )
         self._check_contents(seqs)
+        self._check_inflight(seqs)
+
+    def _check_inflight(self, seqs: Iterable[Sequence]) -> None:
+        """The in-flight index holds exactly the uncomputed full prompt blocks of live tables."""
+        expected: dict[BlockHash, set[int]] = {}
+        if self.enable_prefix_caching:
+            for s in seqs:
+                st = self._seqs.get(s.seq_id)
+                if st is None:
+                    assert not s.block_table, f"seq {s.seq_id} holds blocks but has no state"
+                    continue
+                stop = min(len(s.block_table), s.num_prompt_tokens // self.block_size)
+                want = range(st.num_registered, max(st.num_registered, stop))
+                assert st.inflight == want, f"seq {s.seq_id}: in-flight blocks {st.inflight}, expected {want}"
+                # Recompute the chain instead of trusting the memoized hashes.
+                h, extra = _ROOT_HASH, extra_keys_of(s)
+                for i in range(want.stop):
+                    h = hash_block(h, self._block_tokens(s, i), extra)
+                    if i not in want:
+                        continue
+                    assert i >= s.num_computed_tokens // self.block_size, (
+                        f"seq {s.seq_id}: block {i} is computed but still in flight"
+                    )
+                    assert self.blocks[s.block_table[i]].hash is None, (
+                        f"seq {s.seq_id}: in-flight block {i} is already registered"
+                    )
+                    expected.setdefault(h, set()).add(s.seq_id)
+        assert self._inflight == expected, "in-flight index does not match the live sequences"
 
     def _check_contents(self, seqs: Iterable[Sequence]) -> None:
         """A registered block in a live table holds exactly that sequence's tokens there."""

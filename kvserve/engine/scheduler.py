@@ -9,6 +9,12 @@ each sequence feeds, starting at its `num_computed_tokens`:
 * Then waiting sequences, FCFS, get `min(remaining, budget)`; that single rule gives
   chunked prefill and piggybacked decodes. The queue head blocks the queue: skipping it
   would let a stream of small requests starve a big one.
+* Except for one reason: a waiting sequence whose next prefix blocks a running sequence is
+  computing right now (an in-flight prefix, `BlockManager.num_pending_prefix_tokens`) is
+  passed over for this step, and the scan goes on to the next one. Admitted now it would
+  compute that prefix a second time; a step or two later it hits the cache. This cannot
+  deadlock: in-flight blocks belong to running sequences only, which progress, and whose
+  preemption, abort or finish drops them; a sequence is never passed over when nothing runs.
 * When a running sequence needs blocks the pool lacks, the NEWEST running sequence is
   preempted by recompute (blocks freed, back to the front of the waiting queue; its prefix
   usually hits the cache on return), repeatedly, down to the sequence itself. Visiting
@@ -231,10 +237,20 @@ class Scheduler:
         out.preempted.append(seq)
 
     def _admit(self, budget: int, num_scheduled: int, prefills: list[ScheduledSeq]) -> int:
-        """Admit waiting sequences FCFS while budget, sequence cap and blocks allow."""
+        """Admit waiting sequences FCFS while budget, sequence cap and blocks allow.
+
+        Sequences waiting on an in-flight prefix are passed over (kept in order at the front);
+        the first admissible one that does not fit still blocks the rest.
+        """
+        passed: list[Sequence] = []
         while self.waiting and budget > 0 and num_scheduled < self.max_num_seqs \
                 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            # `self.running` is never empty when something is in flight (its owner runs); the
+            # test only makes "never wait on nobody" explicit.
+            if self.running and self.bm.num_pending_prefix_tokens(seq) > 0:
+                passed.append(self.waiting.popleft())
+                continue
             cached = self.bm.num_cached_tokens(seq)
             n = self._chunk(seq.num_tokens - cached, budget)
             if n == 0 or not self._fits(seq, n):
@@ -246,6 +262,7 @@ class Scheduler:
             prefills.append(ScheduledSeq(seq, n))
             budget -= n
             num_scheduled += 1
+        self.waiting.extendleft(reversed(passed))  # back in front, original order
         return budget
 
     def _fits(self, seq: Sequence, n: int) -> bool:
