@@ -143,11 +143,21 @@ class Attention(nn.Module):
         out = torch.empty_like(q)
         for s in meta.seqs:
             slots, mask = s.view(self.window)
-            qs = q[s.q_start : s.q_start + s.q_len].transpose(0, 1)  # [H, q_len, D]
-            ks = k_pool[slots].transpose(0, 1).to(q.dtype)  # [KVH, n_kv, D]
-            vs = v_pool[slots].transpose(0, 1).to(q.dtype)
-            o = F.scaled_dot_product_attention(
-                qs, ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads
-            )
-            out[s.q_start : s.q_start + s.q_len] = o.transpose(0, 1)
+            ks = k_pool.index_select(0, slots).transpose(0, 1).to(q.dtype)  # [KVH, n_kv, D]
+            vs = v_pool.index_select(0, slots).transpose(0, 1).to(q.dtype)
+            out[s.q_start : s.q_start + s.q_len] = self._attend(q[s.q_start : s.q_start + s.q_len], ks, vs, mask)
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """q [T, H, D], k/v [KVH, L, D], mask [T, L] or None -> [T, H, D].
+
+        The G = H / KVH query heads that share a K/V head become G x T query rows of that head
+        (mask tiled G times), so GQA/MQA never materializes repeated K/V.
+        """
+        T, G = q.shape[0], self.num_heads // self.num_kv_heads
+        qg = q.view(T, self.num_kv_heads, G, self.head_dim).permute(1, 2, 0, 3).reshape(self.num_kv_heads, G * T, -1)
+        if mask is not None and G > 1:
+            mask = mask.repeat(G, 1)
+        # 4-D inputs let torch pick its fused CPU (flash) kernel instead of the bmm/softmax path.
+        o = F.scaled_dot_product_attention(qg[None], k[None], v[None], attn_mask=mask, scale=self.scale)[0]
+        return o.view(self.num_kv_heads, G, T, self.head_dim).permute(2, 0, 1, 3).reshape(T, self.num_heads, -1)
