@@ -56,6 +56,15 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--hf-batch-sizes", type=_int_list, default=[], help="comma list; empty = skip HF")
     tp.add_argument("--plot", default=None, help="PNG of throughput vs --max-num-seqs")
     tp.add_argument("--json", default=None)
+    pf = bench.add_parser("prefix", help="requests sharing a system prompt, prefix cache on vs off")
+    pf.add_argument("--model", default=None)
+    pf.add_argument("--dtype", default="float32")
+    pf.add_argument("--num-prompts", type=_positive, default=32)
+    pf.add_argument("--shared-len", type=_positive, default=384)
+    pf.add_argument("--unique-len", type=_positive, default=32)
+    pf.add_argument("--output-len", type=_positive, default=32)
+    pf.add_argument("--seed", type=int, default=0)
+    pf.add_argument("--json", default=None)
     return parser
 
 
@@ -82,6 +91,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             if lo > hi:
                 raise ValueError(f"--{name.replace('_', '-')}: MIN {lo} > MAX {hi}")
         return throughput(args)
+    if args.bench == "prefix":
+        from kvserve.bench.prefix import main as prefix
+
+        return prefix(args)
     raise ValueError(f"unknown benchmark {args.bench!r}")
 
 

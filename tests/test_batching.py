@@ -108,3 +108,38 @@ def test_seeded_sampling_reproducible_across_batch_compositions(gemma):
     assert n2.outputs[0].token_ids == alone_out  # sample i uses seed + i
     assert n2.outputs[1].token_ids != alone_out
     _assert_drained(llm)
+
+
+def test_kv_memory_proportional_to_length(gemma):
+    """Each running sequence holds exactly ceil(computed tokens / block_size) blocks, and the
+    blocks in use never exceed the pool."""
+    llm = LLM(loaded=gemma, kv_cache_gib=30 * 16 * 36864 / 2**30, enable_prefix_caching=False)
+    eng = llm.engine
+    bs = eng.config.block_size
+    for p in PROMPTS[:6]:
+        eng.add_request(p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    checked = 0
+    while eng.has_unfinished():
+        eng.step()
+        in_use = eng.num_blocks - eng.block_manager.num_free_blocks
+        assert 0 <= in_use <= eng.num_blocks
+        held = 0
+        for seq in eng.scheduler.running:
+            assert len(seq.block_table) == -(-seq.num_computed_tokens // bs), "blocks not proportional to length"
+            held += len(seq.block_table)
+            checked += 1
+        assert held <= in_use
+    assert checked > 50
+    _assert_drained(llm)
+
+
+def test_generation_path_never_imports_transformers(tmp_path):
+    """transformers is the test oracle and the one-time GGUF tokenizer converter only."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from kvserve import LLM, SamplingParams; "
+            "LLM(kv_cache_gib=0.1).generate('Hi', SamplingParams(max_tokens=2)); "
+            "assert 'transformers' not in sys.modules, 'transformers was imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -86,14 +86,20 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Text or token ids -> validated token ids (every id must index the embedding)."""
+        vocab = self.model_config.vocab_size
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
-            return self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt)
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:  # a tokenizer with added tokens beyond the model's embedding
+                raise ValueError(f"prompt encodes to token id {bad[0]}, which the model's vocabulary "
+                                 f"[0, {vocab}) does not have")
+            return ids
         ids = list(prompt)
         if not ids:
             raise ValueError("prompt_token_ids is empty")
-        vocab = self.model_config.vocab_size
         bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt_token_ids contains {bad[0]!r}, outside the vocabulary [0, {vocab})")

@@ -180,7 +180,8 @@ def gguf_state_dict(reader, cfg: ModelConfig, path: Path) -> dict[str, torch.Ten
             w = _unpermute_rope(w, cfg.num_heads)
         if cfg.family == "llama" and ".self_attn.k_proj." in name:
             w = _unpermute_rope(w, cfg.num_kv_heads)
-        sd[name] = torch.from_numpy(np.ascontiguousarray(w))
+        # A copy: F32 tensors come back as read-only views of the memory-mapped file.
+        sd[name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=True))
     return sd
 
 

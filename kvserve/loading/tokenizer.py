@@ -52,10 +52,17 @@ def convert_gguf_tokenizer(gguf_path: Path, out_path: Path) -> None:
         raise ModelLoadError(
             gguf_path, "converting its tokenizer needs the 'transformers' package: pip install transformers"
         ) from None
-    try:
-        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    except Exception as e:
-        raise ModelLoadError(gguf_path, f"cannot build a tokenizer from its vocabulary ({e})") from None
+    import tempfile
+
+    # Convert from a folder holding only a link to the GGUF: a tokenizer.json lying beside the
+    # file would otherwise be picked up by transformers instead of the GGUF's own vocabulary.
+    with tempfile.TemporaryDirectory() as tmp:
+        link = Path(tmp) / gguf_path.name
+        link.symlink_to(gguf_path.resolve())
+        try:
+            tok = AutoTokenizer.from_pretrained(tmp, gguf_file=link.name)
+        except Exception as e:
+            raise ModelLoadError(gguf_path, f"cannot build a tokenizer from its vocabulary ({e})") from None
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(out_path.name + ".tmp")
     tok.backend_tokenizer.save(str(tmp))

@@ -1,0 +1,305 @@
+"""Llama GGUF files, written the way llama.cpp's convert_hf_to_gguf.py writes LlamaForCausalLM
+(q/k rows permuted for its interleaved RoPE, byte-level BPE vocabulary as tokenizer model "gpt2"),
+must load in kvserve exactly as HF transformers loads the same file: same weights, same logits
+at every position, same greedy tokens, same token ids.
+
+Two files: all tensors F32 with a separate output matrix (pre-tokenizer "llama-bpe", as Llama 3
+files have), and tied embeddings (no output.weight, as Llama 3.2 1B files) with every matrix Q8_0
+and F32 norms (as `--outtype q8_0` writes; pre-tokenizer "default"). For the quantized one the
+oracle is HF dequantizing the same file, not the original model.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.engine.model_runner import ModelRunner, StepInput
+from kvserve.loading import gguf as kv_gguf
+from kvserve.loading import load_model
+from kvserve.model.attention import KVCache
+from tests.tiny_models import VOCAB, write_tokenizer
+
+ROPE_THETA = 50000.0  # not the 10k default, so the loader must read rope.freq_base
+CASES = {"f32": ("F32", "llama-bpe", False), "q8_0_tied": ("Q8_0", "default", True)}  # qtype, pre, tied
+TEXTS = ["The quick brown fox jumps over the lazy dog.", "def f(x):\n    return x * 2\n",
+         "  Paged   attention, ünïcödé & 12345 blocks!", "<eos> stays whole<bos>", ""]
+
+
+def _tiny_llama(tied: bool = False):
+    import transformers as tf
+
+    torch.manual_seed(4321)
+    cfg = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         rms_norm_eps=1e-5, rope_theta=ROPE_THETA, tie_word_embeddings=tied,
+                         bos_token_id=2, eos_token_id=1, pad_token_id=0, initializer_range=0.1)
+    assert cfg.rope_parameters.get("rope_type", "default") == "default"
+    model = tf.LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():  # non-trivial norms, so a misplaced norm tensor shows
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.normal_(1.0, 0.2)
+    return model
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's LlamaModel.permute: within each head, rows (half0, half1) become interleaved pairs."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_GGUF_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+}
+
+
+def _gguf_name(hf_name: str) -> str:
+    stem, kind = hf_name.rsplit(".", 1)
+    top = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+    if stem in top:
+        return f"{top[stem]}.{kind}"
+    _, _, layer, local = stem.split(".", 3)  # model.layers.N.<local>
+    return f"blk.{layer}.{_GGUF_NAMES[local]}.{kind}"
+
+
+def write_llama_gguf(model, tokenizer_json: Path, out: Path, qtype: str, pre: str) -> None:
+    import gguf
+
+    cfg = model.config
+    n_head, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    quant = gguf.GGMLQuantizationType[qtype]
+    ftype = gguf.LlamaFileType.ALL_F32 if qtype == "F32" else gguf.LlamaFileType.MOSTLY_Q8_0
+
+    w = gguf.GGUFWriter(str(out), "llama")
+    w.add_name("tiny-llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_file_type(int(ftype))
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_rope_dimension_count(cfg.head_dim)
+
+    # Vocabulary as llama.cpp's _set_vocab_gpt2: tokens by id, special added tokens CONTROL.
+    tj = json.loads(tokenizer_json.read_text())
+    vocab = tj["model"]["vocab"]
+    special = {t["id"] for t in tj["added_tokens"] if t["special"]}
+    by_id = {i: t for t, i in vocab.items()}
+    assert sorted(by_id) == list(range(cfg.vocab_size))
+    tokens = [by_id[i] for i in range(cfg.vocab_size)]
+    types = [gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL for i in range(cfg.vocab_size)]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(cfg.bos_token_id)
+    w.add_eos_token_id(cfg.eos_token_id)
+    w.add_pad_token_id(cfg.pad_token_id)
+    w.add_add_bos_token(True)
+
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # llama.cpp writes no output.weight for tied embeddings
+        data = t.detach().float().numpy()
+        if name.endswith("q_proj.weight"):
+            data = _llama_cpp_permute(data, n_head)
+        elif name.endswith("k_proj.weight"):
+            data = _llama_cpp_permute(data, n_kv)
+        if data.ndim == 2 and quant != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(_gguf_name(name), gguf.quants.quantize(data, quant), raw_dtype=quant)
+        else:  # 1-D tensors (norms) always stay F32
+            w.add_tensor(_gguf_name(name), np.ascontiguousarray(data, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tmp_path_factory):
+    """(name, original HF model, gguf path, HF model from gguf, HF tokenizer, our LoadedModel, cache dir)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    name = request.param
+    qtype, pre, tied = CASES[name]
+    folder = tmp_path_factory.mktemp(f"gguf_{name}")
+    cache = tmp_path_factory.mktemp(f"kvcache_{name}")
+    write_tokenizer(folder)
+    original = _tiny_llama(tied)
+    path = folder / f"tiny-llama-{name}.gguf"
+    write_llama_gguf(original, folder / "tokenizer.json", path, qtype, pre)
+    (folder / "tokenizer.json").unlink()  # everything below must come from the .gguf alone
+
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=path.name, dtype=torch.float32).eval()
+    hf_tok = AutoTokenizer.from_pretrained(str(folder), gguf_file=path.name)
+    with pytest.MonkeyPatch.context() as mp:  # module-scoped, so not the function-scoped fixture
+        mp.setenv("KVSERVE_CACHE", str(cache))
+        loaded = load_model(path)
+        yield name, original, path, hf, hf_tok, loaded, cache
+
+
+def _all_logits(loaded, ids: list[int]) -> torch.Tensor:
+    """Our logits [T, vocab] at every prompt position, through one paged prefill."""
+    cfg = loaded.config
+    kv = KVCache(cfg.num_layers, 64 * 16, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+    runner = ModelRunner(loaded.model, kv, block_size=16)
+    input_ids, positions, meta, _ = runner.prepare([StepInput(ids, 0, list(range(64)))])
+    with torch.inference_mode():
+        return loaded.model.compute_logits(loaded.model(input_ids, positions, kv, meta))
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (n,), generator=g).tolist()
+
+
+def test_gguf_file_is_what_llama_cpp_writes(case):
+    import gguf
+
+    name, original, path, *_ = case
+    r = gguf.GGUFReader(str(path))
+    assert r.fields["general.architecture"].contents() == "llama"
+    types = {t.name: t.tensor_type.name for t in r.tensors}
+    assert types["blk.0.attn_norm.weight"] == "F32"
+    assert types["blk.1.attn_q.weight"] == types["token_embd.weight"] == CASES[name][0]
+    assert ("output.weight" in types) == (not CASES[name][2])
+    # The permutation is not the identity, so the loader really has to undo it.
+    q = next(t for t in r.tensors if t.name == "blk.0.attn_q.weight")
+    stored = gguf.quants.dequantize(q.data, q.tensor_type)
+    hf_q = original.model.layers[0].self_attn.q_proj.weight.detach().numpy()
+    assert stored.shape == hf_q.shape and not np.allclose(stored, hf_q, atol=0.05)
+
+
+def test_cache_entry_under_kvserve_cache(case):
+    *_, loaded, cache = case
+    entries = list((cache / "gguf").iterdir())
+    assert len(entries) == 1
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in entries[0].iterdir()}
+
+
+def test_config_from_metadata(case):
+    _, original, _, hf, _, loaded, _ = case
+    c, o = loaded.config, original.config
+    assert (c.family, c.vocab_size, c.hidden_size, c.intermediate_size, c.num_layers) == \
+        ("llama", o.vocab_size, o.hidden_size, o.intermediate_size, o.num_hidden_layers)
+    assert (c.num_heads, c.num_kv_heads, c.head_dim) == (4, 2, 16)
+    assert c.rms_norm_eps == pytest.approx(o.rms_norm_eps)
+    assert c.max_position_embeddings == o.max_position_embeddings
+    assert c.tie_word_embeddings == o.tie_word_embeddings == hf.config.tie_word_embeddings
+    assert c.bos_token_id == 2 and c.eos_token_ids == [1] and c.pad_token_id == 0
+    assert [r.theta for r in c.rope.values()] == [ROPE_THETA]
+    assert c.attn_scale == pytest.approx(16**-0.5)
+    assert hf.config.rope_parameters["rope_theta"] == ROPE_THETA
+
+
+def test_weights_equal_hf(case):
+    name, original, _, hf, _, loaded, _ = case
+    ours = loaded.model.state_dict()
+    theirs = {k.removeprefix("model."): v for k, v in hf.state_dict().items()}
+    if loaded.config.tie_word_embeddings:  # HF lists the tied head; we hold the embedding only
+        assert torch.equal(theirs.pop("lm_head.weight"), ours["embed_tokens.weight"])
+    assert set(ours) == set(theirs)
+    for k, v in theirs.items():
+        assert torch.equal(ours[k], v), f"{name}: {k} differs from HF's"
+    if name == "f32":  # our writer's permutation is llama.cpp's: HF's un-permute recovers the original
+        for k, v in original.state_dict().items():
+            assert torch.equal(hf.state_dict()[k], v), k
+
+
+def test_prompt_logits_match_hf(case):
+    name, _, _, hf, _, loaded, _ = case
+    ids = _prompt(7, 40)
+    ours = _all_logits(loaded, ids)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    assert ours.shape == ref.shape == (40, VOCAB)
+    diff = (ours - ref).abs().max().item()
+    assert diff < 1e-4, f"{name}: max abs logit diff {diff}"
+
+
+def test_greedy_matches_hf_generate(case):
+    name, _, path, hf, hf_tok, _, _ = case
+    llm = LLM(str(path), kv_cache_gib=0.01)  # a second load: reads the cache entry
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    text = "The quick brown fox"
+    prompts = [_prompt(11, 5), _prompt(12, 23), text]
+    outs = llm.generate(prompts, params)
+    for p, out in zip(prompts, outs):
+        ids = hf_tok(p).input_ids if isinstance(p, str) else p
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                              max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+        assert out.token_ids == ref[0, len(ids):].tolist(), f"{name}: {p!r}"
+
+
+def test_tokenizer_matches_hf(case):
+    name, _, _, _, hf_tok, loaded, _ = case
+    tok = loaded.tokenizer
+    # HF's GPT2Tokenizer adds its default "<|endoftext|>" when the vocabulary lacks it (id VOCAB, past
+    # the model's rows); the converted tokenizer.json carries the same extra entry.
+    assert tok.vocab_size == len(hf_tok) >= VOCAB
+    for text in TEXTS:
+        ids = hf_tok(text).input_ids
+        assert ids[0] == 2, "add_bos_token in the GGUF: both sides prepend <bos>"
+        assert tok.encode(text) == ids, f"{name}: {text!r}"
+        assert tok.encode(text, add_special_tokens=False) == hf_tok(text, add_special_tokens=False).input_ids
+        assert tok.decode(ids) == hf_tok.decode(ids, skip_special_tokens=True)
+    assert tok.encode("<eos>", add_special_tokens=False) == [1]  # a CONTROL token stays whole
+
+
+def test_without_unpermute_logits_differ(case, tmp_path, monkeypatch):
+    """The logits test above is sensitive to the q/k un-permute: skipping it breaks the match."""
+    name, _, path, hf, _, _, _ = case
+    monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path))  # a fresh conversion, not the cached one
+    monkeypatch.setattr(kv_gguf, "_unpermute_rope", lambda w, n_heads: w)
+    broken = load_model(path)
+    ids = _prompt(7, 40)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    diff = (_all_logits(broken, ids) - ref).abs().max().item()
+    assert diff > 1e-2, f"{name}: still matched without the un-permute ({diff})"
+
+
+def test_tokenizer_json_beside_gguf_is_ignored(case, tmp_path, monkeypatch):
+    """The tokenizer comes from the GGUF's own vocabulary even when a different tokenizer.json
+    lies in the same folder (transformers would otherwise pick that file up)."""
+    name, _, path, _, hf_tok, _, _ = case
+    folder = tmp_path / "with_decoy"
+    folder.mkdir()
+    copy = folder / path.name
+    copy.symlink_to(path)
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    decoy = Tokenizer(models.WordLevel({"[UNK]": 0, "the": 1}, unk_token="[UNK]"))
+    decoy.pre_tokenizer = pre_tokenizers.Whitespace()
+    decoy.save(str(folder / "tokenizer.json"))
+    monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path / "cache"))
+    loaded = load_model(copy)
+    assert loaded.tokenizer.encode(TEXTS[0]) == hf_tok(TEXTS[0]).input_ids, name
+
+
+def test_text_encoding_past_embedding_is_a_clear_error(case, monkeypatch):
+    """The converted byte-level tokenizer knows <|endoftext|> at id VOCAB, one past the model's
+    embedding: a prompt containing it is rejected with a message, not an IndexError."""
+    from kvserve import LLM, SamplingParams
+
+    name, _, path, _, _, loaded, cache = case
+    if loaded.tokenizer.token_to_id("<|endoftext|>") is None:
+        pytest.skip("this tokenizer has no extra token past the embedding")
+    llm = LLM(loaded=loaded, kv_cache_gib=0.01)
+    with pytest.raises(ValueError, match="does not have"):
+        llm.generate("hello <|endoftext|>", SamplingParams(max_tokens=2))
+    assert not llm.engine.has_unfinished()
