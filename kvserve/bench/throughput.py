@@ -158,10 +158,9 @@ def plot_sweep(results: list[Result], path: Path) -> None:
     xs = [r.extra["max_num_seqs"] for r in sweep]
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(xs, [r.output_tok_s for r in sweep], "o-", label="kvserve output tok/s")
-    for r in results:
-        if r.engine == "hf":
-            ax.axhline(r.output_tok_s, linestyle="--", color="gray")
-            ax.annotate(f"HF {r.setting}", (xs[0] if xs else 1, r.output_tok_s), fontsize=8, va="bottom")
+    hf = [r for r in results if r.engine == "hf"]
+    for i, r in enumerate(hf):
+        ax.axhline(r.output_tok_s, linestyle="--", color=f"C{i + 1}", label=f"HF {r.setting}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("--max-num-seqs")
     ax.set_ylabel("output tokens/s")
