@@ -143,3 +143,22 @@ def test_generation_path_never_imports_transformers(tmp_path):
             "assert 'transformers' not in sys.modules, 'transformers was imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_abort_mid_generation_frees_everything(gemma):
+    llm = LLM(loaded=gemma, kv_cache_gib=0.1)
+    eng = llm.engine
+    keep = eng.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    drop = eng.add_request(PROMPTS[1], SamplingParams(n=2, temperature=0.7, seed=3, max_tokens=50, ignore_eos=True))
+    for _ in range(4):
+        eng.step()
+    assert eng.num_blocks - eng.block_manager.num_free_blocks > 0
+    assert eng.abort(drop) and not eng.abort(drop)
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert {o.request_id for o in outs} == {keep}
+    _assert_drained(llm)
+    # the surviving request is unaffected by its neighbour's abort
+    assert outs[-1].token_ids == llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8,
+                                                                         ignore_eos=True))[0].token_ids
