@@ -7,8 +7,10 @@ from typing import Sequence as Seq
 
 import torch
 
-from kvserve.model.attention import AttentionMetadata, KVCache, SeqAttention
+from kvserve.model.attention import AttentionMetadata, DecodeGroup, KVCache, SeqAttention
 from kvserve.model.base import CausalLM
+
+DECODE_GROUP = 16  # decode sequences per attention call
 
 
 @dataclass
@@ -46,6 +48,7 @@ class ModelRunner:
         """Flatten the step: input_ids, positions, slot_mapping [T]; per-sequence attention views;
         indices [num_logits] of the rows whose logits are needed (each sequence's last token)."""
         ids, positions, slots, seqs, logit_rows = [], [], [], [], []
+        decodes: list[tuple[int, torch.Tensor]] = []  # (row, ctx slots) of single-token sequences
         for inp in inputs:
             n = len(inp.token_ids)
             if n == 0:
@@ -56,11 +59,21 @@ class ModelRunner:
             ids.extend(inp.token_ids)
             positions.extend(range(inp.start_pos, end))
             slots.append(ctx_slots[inp.start_pos:end])
-            seqs.append(SeqAttention(q_start, n, ctx_slots))
+            if n == 1:
+                decodes.append((q_start, ctx_slots))
+            else:
+                seqs.append(SeqAttention(q_start, n, ctx_slots))
             if inp.needs_logits:
                 logit_rows.append(q_start + n - 1)
-        meta = AttentionMetadata(slot_mapping=torch.cat(slots), seqs=seqs)
+        meta = AttentionMetadata(slot_mapping=torch.cat(slots), seqs=seqs, decode_groups=self._group(decodes))
         return self._tensor(ids), self._tensor(positions), meta, self._tensor(logit_rows)
+
+    def _group(self, decodes: list[tuple[int, torch.Tensor]]) -> list[DecodeGroup]:
+        """Sort decodes by context length and cut them into groups of DECODE_GROUP: one attention
+        call per group instead of per sequence, with little padding inside a group."""
+        decodes = sorted(decodes, key=lambda d: len(d[1]))
+        return [DecodeGroup(self._tensor([r for r, _ in chunk]), [c for _, c in chunk])
+                for chunk in (decodes[i:i + DECODE_GROUP] for i in range(0, len(decodes), DECODE_GROUP))]
 
     @torch.inference_mode()
     def execute(self, inputs: Seq[StepInput]) -> torch.Tensor:

@@ -90,11 +90,35 @@ class SeqAttention:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode sequences (one query each) of similar context length, attended in one padded call.
+
+    Sequence i's query is row `rows[i]` of the flat batch. `view(window)` gives the padded
+    context slots [B, L] and a key mask [B, 1, 1, L] (True = attend), built once per step and
+    shared by all layers with that window. Grouping by length keeps the padding small.
+    """
+
+    rows: torch.Tensor  # [B] int64
+    ctx_slots: list[torch.Tensor]  # B tensors [ctx_len_i]
+    _views: dict = field(default_factory=dict, repr=False)
+
+    def view(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if window not in self._views:
+            slots = [c if window is None else c[max(0, len(c) - window):] for c in self.ctx_slots]
+            lengths = torch.tensor([len(c) for c in slots], device=self.rows.device)
+            padded = torch.nn.utils.rnn.pad_sequence(slots, batch_first=True, padding_value=0)
+            mask = torch.arange(padded.shape[1], device=padded.device)[None, :] < lengths[:, None]
+            self._views[window] = (padded, mask[:, None, None, :])
+        return self._views[window]
+
+
+@dataclass
 class AttentionMetadata:
     """Everything attention needs for one forward step (built by the model runner)."""
 
     slot_mapping: torch.Tensor  # [T] int64: where this step's K/V go in the pool
-    seqs: list[SeqAttention]
+    seqs: list[SeqAttention]  # sequences feeding several tokens (prefill chunks): one call each
+    decode_groups: list[DecodeGroup] = field(default_factory=list)  # single-token sequences
 
 
 class Attention(nn.Module):
@@ -141,6 +165,8 @@ class Attention(nn.Module):
         v_pool.index_copy_(0, meta.slot_mapping, v.to(v_pool.dtype))
 
         out = torch.empty_like(q)
+        for g in meta.decode_groups:
+            out[g.rows] = self._decode(q[g.rows], k_pool, v_pool, g)
         for s in meta.seqs:
             slots, mask = s.view(self.window)
             ks = k_pool.index_select(0, slots).transpose(0, 1).to(q.dtype)  # [KVH, n_kv, D]
@@ -161,3 +187,14 @@ class Attention(nn.Module):
         # 4-D inputs let torch pick its fused CPU (flash) kernel instead of the bmm/softmax path.
         o = F.scaled_dot_product_attention(qg[None], k[None], v[None], attn_mask=mask, scale=self.scale)[0]
         return o.view(self.num_kv_heads, G, T, self.head_dim).permute(2, 0, 1, 3).reshape(T, self.num_heads, -1)
+
+    def _decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
+        """q [B, H, D] (one query per sequence) -> [B, H, D]; GQA heads as query rows, as above."""
+        slots, mask = group.view(self.window)
+        B, L = slots.shape
+        flat = slots.view(-1)
+        k = k_pool.index_select(0, flat).view(B, L, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v_pool.index_select(0, flat).view(B, L, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        qg = q.view(B, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
+        o = F.scaled_dot_product_attention(qg, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=self.scale)
+        return o.reshape(B, self.num_heads, self.head_dim)
