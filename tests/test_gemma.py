@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from kvserve import SamplingParams
-from kvserve.engine.model_runner import ModelRunner, StepInput
-from kvserve.model.attention import KVCache
 from tests.conftest import WIKITEXT
+from tests.logits import all_position_logits
 
 TOKENIZER_CASES = [
     "The capital of France is",
@@ -48,20 +47,10 @@ def test_tokenizer_ids_equal_hf(gemma, hf_gemma_tokenizer):
         assert gemma.tokenizer.decode(ours) == hf_gemma_tokenizer.decode(ref, skip_special_tokens=True)
 
 
-def _prompt_logits(gemma, ids: list[int]) -> torch.Tensor:
-    cfg = gemma.config
-    blocks = -(-len(ids) // 16)
-    kv = KVCache(cfg.num_layers, blocks * 16, cfg.num_kv_heads, cfg.head_dim, torch.float32)
-    runner = ModelRunner(gemma.model, kv, block_size=16)
-    input_ids, positions, meta, _ = runner.prepare([StepInput(ids, 0, list(range(blocks)))])
-    with torch.inference_mode():
-        return gemma.model.compute_logits(gemma.model(input_ids, positions, kv, meta))
-
-
 @pytest.mark.parametrize("prompt", [GREEDY_PROMPTS[0], GREEDY_PROMPTS[6], GREEDY_PROMPTS[7]])
 def test_prompt_logits_match_hf(gemma, hf_gemma, prompt):
     ids = gemma.tokenizer.encode(prompt)
-    ours = _prompt_logits(gemma, ids)
+    ours = all_position_logits(gemma, ids)
     with torch.no_grad():
         ref = hf_gemma(torch.tensor([ids])).logits[0].float()
     diff = (ours - ref).abs().max().item()

@@ -18,11 +18,10 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.engine.model_runner import ModelRunner, StepInput
 from kvserve.loading import gguf as kv_gguf
 from kvserve.loading import load_model
-from kvserve.model.attention import KVCache
 from tests.tiny_models import VOCAB, write_tokenizer
+from tests.logits import all_position_logits
 
 ROPE_THETA = 50000.0  # not the 10k default, so the loader must read rope.freq_base
 CASES = {"f32": ("F32", "llama-bpe", False), "q8_0_tied": ("Q8_0", "default", True)}  # qtype, pre, tied
@@ -150,16 +149,6 @@ def case(request, tmp_path_factory):
         yield name, original, path, hf, hf_tok, loaded, cache
 
 
-def _all_logits(loaded, ids: list[int]) -> torch.Tensor:
-    """Our logits [T, vocab] at every prompt position, through one paged prefill."""
-    cfg = loaded.config
-    kv = KVCache(cfg.num_layers, 64 * 16, cfg.num_kv_heads, cfg.head_dim, torch.float32)
-    runner = ModelRunner(loaded.model, kv, block_size=16)
-    input_ids, positions, meta, _ = runner.prepare([StepInput(ids, 0, list(range(64)))])
-    with torch.inference_mode():
-        return loaded.model.compute_logits(loaded.model(input_ids, positions, kv, meta))
-
-
 def _prompt(seed: int, n: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (n,), generator=g).tolist()
@@ -221,7 +210,7 @@ def test_weights_equal_hf(case):
 def test_prompt_logits_match_hf(case):
     name, _, _, hf, _, loaded, _ = case
     ids = _prompt(7, 40)
-    ours = _all_logits(loaded, ids)
+    ours = all_position_logits(loaded, ids)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()
     assert ours.shape == ref.shape == (40, VOCAB)
@@ -269,7 +258,7 @@ def test_without_unpermute_logits_differ(case, tmp_path, monkeypatch):
     ids = _prompt(7, 40)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()
-    diff = (_all_logits(broken, ids) - ref).abs().max().item()
+    diff = (all_position_logits(broken, ids) - ref).abs().max().item()
     assert diff > 1e-2, f"{name}: still matched without the un-permute ({diff})"
 
 

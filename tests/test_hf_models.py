@@ -6,10 +6,9 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.engine.model_runner import ModelRunner, StepInput
 from kvserve.loading import load_model
-from kvserve.model.attention import KVCache
 from tests.tiny_models import VOCAB, make_model
+from tests.logits import all_position_logits
 
 KINDS = ["llama", "qwen2", "qwen3", "mistral", "gemma3"]
 
@@ -20,16 +19,6 @@ def tiny(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(kind)
     hf = make_model(kind, folder, shard=kind == "llama")  # llama is written in several shards
     return kind, folder, hf
-
-
-def _all_logits(loaded, ids: list[int]) -> torch.Tensor:
-    """Our logits at every prompt position [T, vocab] through a paged prefill."""
-    cfg = loaded.config
-    kv = KVCache(cfg.num_layers, 64 * 16, cfg.num_kv_heads, cfg.head_dim, torch.float32)
-    runner = ModelRunner(loaded.model, kv, block_size=16)
-    input_ids, positions, meta, _ = runner.prepare([StepInput(ids, 0, list(range(64)))])
-    with torch.inference_mode():
-        return loaded.model.compute_logits(loaded.model(input_ids, positions, kv, meta))
 
 
 def test_sharded_checkpoint_really_sharded(tiny):
@@ -44,7 +33,7 @@ def test_prompt_logits_match_hf(tiny):
     loaded = load_model(folder)
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(3, VOCAB, (40,), generator=g).tolist()  # longer than the sliding windows
-    ours = _all_logits(loaded, ids)
+    ours = all_position_logits(loaded, ids)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()
     assert ours.shape == ref.shape
