@@ -19,6 +19,16 @@ def tiny_folder(tmp_path_factory):
     return folder
 
 
+def _edited_copy(tmp_path, tiny_folder, edit) -> "Path":
+    """A copy of the tiny model whose config.json went through `edit(dict)`."""
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_folder, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    edit(cfg)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
 def test_missing_model_path(tmp_path):
     with pytest.raises(ModelLoadError, match="no such file or folder") as e:
         load_model(tmp_path / "nope.gguf")
@@ -69,31 +79,19 @@ def test_corrupt_config_json(tmp_path, tiny_folder):
 
 
 def test_unknown_architecture(tmp_path, tiny_folder):
-    folder = tmp_path / "m"
-    shutil.copytree(tiny_folder, folder)
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["model_type"] = "gpt_bigcode"
-    (folder / "config.json").write_text(json.dumps(cfg))
+    folder = _edited_copy(tmp_path, tiny_folder, lambda c: c.update(model_type="gpt_bigcode"))
     with pytest.raises(ModelLoadError, match="model_type 'gpt_bigcode' is not supported"):
         load_model(folder)
 
 
 def test_config_missing_field(tmp_path, tiny_folder):
-    folder = tmp_path / "m"
-    shutil.copytree(tiny_folder, folder)
-    cfg = json.loads((folder / "config.json").read_text())
-    del cfg["hidden_size"]
-    (folder / "config.json").write_text(json.dumps(cfg))
+    folder = _edited_copy(tmp_path, tiny_folder, lambda c: c.pop("hidden_size"))
     with pytest.raises(ModelLoadError, match="config.json.*hidden_size"):
         load_model(folder)
 
 
 def test_weights_not_matching_config(tmp_path, tiny_folder):
-    folder = tmp_path / "m"
-    shutil.copytree(tiny_folder, folder)
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["intermediate_size"] = 96
-    (folder / "config.json").write_text(json.dumps(cfg))
+    folder = _edited_copy(tmp_path, tiny_folder, lambda c: c.update(intermediate_size=96))
     with pytest.raises(ModelLoadError, match="mlp.*shape"):
         load_model(folder)
 

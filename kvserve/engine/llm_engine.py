@@ -196,7 +196,7 @@ class LLMEngine:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
             start = seq.num_computed_tokens
-            tokens = seq.all_token_ids[start:start + item.num_tokens]
+            tokens = seq.token_slice(start, start + item.num_tokens)
             self.num_prompt_tokens_computed += max(0, min(start + item.num_tokens, seq.num_prompt_tokens) - start)
             inputs.append(StepInput(tokens, start, seq.block_table, item.needs_logits))
             if item.needs_logits:
