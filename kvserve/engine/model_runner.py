@@ -7,10 +7,8 @@ from typing import Sequence as Seq
 
 import torch
 
-from kvserve.model.attention import AttentionMetadata, DecodeGroup, KVCache, SeqAttention
+from kvserve.model.attention import AttentionMetadata, DecodeBatch, KVCache, SeqAttention
 from kvserve.model.base import CausalLM
-
-DECODE_GROUP = 16  # decode sequences per attention call
 
 
 @dataclass
@@ -47,42 +45,52 @@ class ModelRunner:
     def prepare(self, inputs: Seq[StepInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Flatten the step: input_ids, positions, slot_mapping [T]; per-sequence attention views;
         indices [num_logits] of the rows whose logits are needed (each sequence's last token)."""
+        bs = self.block_size
         ids, positions, slots, seqs, logit_rows = [], [], [], [], []
-        decodes: list[tuple[int, torch.Tensor]] = []  # (row, ctx slots) of single-token sequences
+        decodes: list[tuple[int, int, Seq[int]]] = []  # (row, context length, block table)
         for inp in inputs:
             n = len(inp.token_ids)
             if n == 0:
                 raise ValueError("a scheduled sequence must feed at least one token")
             end = inp.start_pos + n
-            ctx_slots = self._ctx_slots(inp.block_table, end)
             q_start = len(ids)
             ids.extend(inp.token_ids)
             positions.extend(range(inp.start_pos, end))
-            slots.append(ctx_slots[inp.start_pos:end])
-            if n == 1:
-                decodes.append((q_start, ctx_slots))
+            if n == 1:  # decode: one new slot, computed in Python (no per-sequence tensors)
+                p = inp.start_pos
+                if len(inp.block_table) <= p // bs:
+                    raise ValueError(f"block table has {len(inp.block_table)} blocks, {end} tokens need more")
+                slots.append(inp.block_table[p // bs] * bs + p % bs)
+                decodes.append((q_start, end, inp.block_table))
             else:
+                ctx_slots = self._ctx_slots(inp.block_table, end)
+                slots.extend(ctx_slots[inp.start_pos:end].tolist())
                 seqs.append(SeqAttention(q_start, n, ctx_slots))
             if inp.needs_logits:
                 logit_rows.append(q_start + n - 1)
-        meta = AttentionMetadata(slot_mapping=torch.cat(slots), seqs=seqs, decode_groups=self._group(decodes))
+        meta = AttentionMetadata(slot_mapping=self._tensor(slots), seqs=seqs, decode=self._decode_batch(decodes))
         return self._tensor(ids), self._tensor(positions), meta, self._tensor(logit_rows)
 
-    def _group(self, decodes: list[tuple[int, torch.Tensor]]) -> list[DecodeGroup]:
-        """Sort decodes by context length and cut them into groups of DECODE_GROUP: one attention
-        call per group instead of per sequence, with little padding inside a group."""
-        decodes = sorted(decodes, key=lambda d: len(d[1]))
-        return [DecodeGroup(self._tensor([r for r, _ in chunk]), [c for _, c in chunk])
-                for chunk in (decodes[i:i + DECODE_GROUP] for i in range(0, len(decodes), DECODE_GROUP))]
+    def _decode_batch(self, decodes: list[tuple[int, int, Seq[int]]]) -> DecodeBatch | None:
+        if not decodes:
+            return None
+        width = max(-(-length // self.block_size) for _, length, _ in decodes)
+        tables = [list(table[:width]) + [0] * (width - min(width, len(table))) for _, _, table in decodes]
+        lens = [length for _, length, _ in decodes]
+        return DecodeBatch(rows=self._tensor([r for r, _, _ in decodes]),
+                           block_tables=torch.tensor(tables, dtype=torch.int32, device=self.device),
+                           lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
+                           block_size=self.block_size, max_len=max(lens))
 
     @torch.inference_mode()
     def execute(self, inputs: Seq[StepInput]) -> torch.Tensor:
-        """Run one forward pass; returns fp32 logits [num sequences needing logits, vocab]."""
+        """Run one forward pass; returns logits [num sequences needing logits, vocab] in the
+        model's dtype (the sampler upcasts what it needs to fp32)."""
         input_ids, positions, meta, logit_rows = self.prepare(inputs)
         hidden = self.model(input_ids, positions, self.kv_cache, meta)
         if logit_rows.numel() == 0:
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
-        return self.model.compute_logits(hidden.index_select(0, logit_rows))
+        return self.model.compute_logits(hidden.index_select(0, logit_rows), upcast=False)
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: Seq[tuple[int, int]], block_size: int) -> None:

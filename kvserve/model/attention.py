@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.kernels import paged_decode_attention
 from kvserve.model.config import ModelConfig
 from kvserve.model.layers import RMSNorm, apply_rope
 
@@ -48,6 +49,9 @@ class KVCache:
             v[dst] = v[src]
 
 
+CAUSAL = "causal"  # a mask value: queries and keys are the same positions, so SDPA's is_causal
+
+
 @dataclass
 class SeqAttention:
     """One sequence's share of a step.
@@ -67,7 +71,8 @@ class SeqAttention:
         return int(self.ctx_slots.shape[0])
 
     def view(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Slots to read and the boolean mask [q_len, n_kv] (None = attend to all) for a layer.
+        """Slots to read and the boolean mask [q_len, n_kv] (None = attend to all, CAUSAL =
+        lower-triangular with q_len == n_kv) for a layer.
 
         Computed once per step per window size and shared by all layers of that kind.
         """
@@ -81,6 +86,8 @@ class SeqAttention:
         slots = self.ctx_slots[start:]
         if self.q_len == 1:
             return slots, None  # a single query at the end sees exactly [start, ctx_len)
+        if first_q == 0 and (window is None or self.ctx_len <= window):
+            return slots, CAUSAL  # a whole prompt inside the window: plain causal attention
         kv_pos = torch.arange(start, self.ctx_len, device=slots.device)
         q_pos = torch.arange(first_q, self.ctx_len, device=slots.device)[:, None]
         mask = kv_pos[None, :] <= q_pos
@@ -90,26 +97,48 @@ class SeqAttention:
 
 
 @dataclass
-class DecodeGroup:
-    """Decode sequences (one query each) of similar context length, attended in one padded call.
+class DecodeBatch:
+    """The step's decode sequences (one query each), described by their block tables.
 
-    Sequence i's query is row `rows[i]` of the flat batch. `view(window)` gives the padded
-    context slots [B, L] and a key mask [B, 1, 1, L] (True = attend), built once per step and
-    shared by all layers with that window. Grouping by length keeps the padding small.
+    Sequence i's query is row `rows[i]` of the flat batch; it attends positions
+    [start_i, lens[i]) of its context, where start_i = max(0, lens[i] - window) on a sliding
+    window layer. The C kernel reads K/V in place through `block_tables`; the torch fallback
+    (`groups`) gathers them into padded tensors, a few sequences of similar length at a time.
     """
 
     rows: torch.Tensor  # [B] int64
-    ctx_slots: list[torch.Tensor]  # B tensors [ctx_len_i]
-    _views: dict = field(default_factory=dict, repr=False)
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    lens: torch.Tensor  # [B] int32: context length after this step's token
+    block_size: int
+    max_len: int  # max(lens)
+    _starts: dict = field(default_factory=dict, repr=False)
+    _groups: dict = field(default_factory=dict, repr=False)
 
-    def view(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if window not in self._views:
-            slots = [c if window is None else c[max(0, len(c) - window):] for c in self.ctx_slots]
-            lengths = torch.tensor([len(c) for c in slots], device=self.rows.device)
-            padded = torch.nn.utils.rnn.pad_sequence(slots, batch_first=True, padding_value=0)
-            mask = torch.arange(padded.shape[1], device=padded.device)[None, :] < lengths[:, None]
-            self._views[window] = (padded, mask[:, None, None, :])
-        return self._views[window]
+    GROUP = 16  # sequences per attention call on the fallback path
+
+    def starts(self, window: int | None) -> torch.Tensor:
+        """First attended position per sequence [B] int32 (shared by all layers of a window)."""
+        if window not in self._starts:
+            self._starts[window] = (torch.zeros_like(self.lens) if window is None
+                                    else (self.lens - window).clamp_(min=0))
+        return self._starts[window]
+
+    def groups(self, window: int | None) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Fallback views: (rows [b], slots [b, L], key mask [b, 1, 1, L]) per group of GROUP
+        sequences sorted by length, so padding inside a group stays small."""
+        if window not in self._groups:
+            starts, order = self.starts(window), torch.argsort(self.lens)
+            views = []
+            for idx in order.split(self.GROUP):
+                lens, first = self.lens[idx].long(), starts[idx].long()
+                pos = torch.arange(int((lens - first).max()), device=lens.device)[None, :] + first[:, None]
+                valid = pos < lens[:, None]
+                pos = torch.where(valid, pos, 0)
+                table = self.block_tables[idx].long()
+                slots = table.gather(1, pos // self.block_size) * self.block_size + pos % self.block_size
+                views.append((self.rows[idx], slots, valid[:, None, None, :]))
+            self._groups[window] = views
+        return self._groups[window]
 
 
 @dataclass
@@ -118,7 +147,7 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [T] int64: where this step's K/V go in the pool
     seqs: list[SeqAttention]  # sequences feeding several tokens (prefill chunks): one call each
-    decode_groups: list[DecodeGroup] = field(default_factory=list)  # single-token sequences
+    decode: DecodeBatch | None = None  # single-token sequences
 
 
 class Attention(nn.Module):
@@ -165,8 +194,8 @@ class Attention(nn.Module):
         v_pool.index_copy_(0, meta.slot_mapping, v.to(v_pool.dtype))
 
         out = torch.empty_like(q)
-        for g in meta.decode_groups:
-            out[g.rows] = self._decode(q[g.rows], k_pool, v_pool, g)
+        if meta.decode is not None:
+            self._decode(q, k_pool, v_pool, meta.decode, out)
         for s in meta.seqs:
             slots, mask = s.view(self.window)
             ks = k_pool.index_select(0, slots).transpose(0, 1).to(q.dtype)  # [KVH, n_kv, D]
@@ -174,13 +203,17 @@ class Attention(nn.Module):
             out[s.q_start : s.q_start + s.q_len] = self._attend(q[s.q_start : s.q_start + s.q_len], ks, vs, mask)
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """q [T, H, D], k/v [KVH, L, D], mask [T, L] or None -> [T, H, D].
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
+        """q [T, H, D], k/v [KVH, L, D], mask [T, L], None or CAUSAL -> [T, H, D].
 
         The G = H / KVH query heads that share a K/V head become G x T query rows of that head
         (mask tiled G times), so GQA/MQA never materializes repeated K/V.
         """
         T, G = q.shape[0], self.num_heads // self.num_kv_heads
+        if isinstance(mask, str):  # CAUSAL: the fused kernel skips the masked half, no mask tensor
+            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], is_causal=True,
+                                               scale=self.scale, enable_gqa=G > 1)[0]
+            return o.transpose(0, 1)
         qg = q.view(T, self.num_kv_heads, G, self.head_dim).permute(1, 2, 0, 3).reshape(self.num_kv_heads, G * T, -1)
         if mask is not None and G > 1:
             mask = mask.repeat(G, 1)
@@ -188,13 +221,22 @@ class Attention(nn.Module):
         o = F.scaled_dot_product_attention(qg[None], k[None], v[None], attn_mask=mask, scale=self.scale)[0]
         return o.view(self.num_kv_heads, G, T, self.head_dim).permute(2, 0, 1, 3).reshape(T, self.num_heads, -1)
 
-    def _decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
-        """q [B, H, D] (one query per sequence) -> [B, H, D]; GQA heads as query rows, as above."""
-        slots, mask = group.view(self.window)
-        B, L = slots.shape
-        flat = slots.view(-1)
-        k = k_pool.index_select(0, flat).view(B, L, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = v_pool.index_select(0, flat).view(B, L, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        qg = q.view(B, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
-        o = F.scaled_dot_product_attention(qg, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=self.scale)
-        return o.reshape(B, self.num_heads, self.head_dim)
+    def _decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: DecodeBatch,
+                out: torch.Tensor) -> None:
+        """Attention for the decode rows of q [T, H, D], written into out [T, H, D]."""
+        starts = batch.starts(self.window)
+        o = paged_decode_attention(q[batch.rows], k_pool, v_pool, batch.block_tables, starts, batch.lens,
+                                   batch.block_size, self.scale, batch.max_len)
+        if o is not None:
+            out[batch.rows] = o
+            return
+        G = self.num_heads // self.num_kv_heads
+        for rows, slots, mask in batch.groups(self.window):
+            B, L = slots.shape
+            flat = slots.view(-1)
+            k = k_pool.index_select(0, flat).view(B, L, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            v = v_pool.index_select(0, flat).view(B, L, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            # GQA heads as query rows of their K/V head: no repeated K/V.
+            qg = q[rows].view(B, self.num_kv_heads, G, self.head_dim)
+            o = F.scaled_dot_product_attention(qg, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=self.scale)
+            out[rows] = o.reshape(B, self.num_heads, self.head_dim)

@@ -58,10 +58,11 @@ class CausalLM(nn.Module):
             h = layer(h, cos_sin[self.config.layer_types[i]], kv_cache, meta)
         return self.norm(h)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> fp32 logits [N, vocab]."""
-        logits = torch.nn.functional.linear(hidden, self.lm_head_weight).float()
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab], fp32 unless upcast=False (then the model's
+        dtype: a greedy-only bf16 batch takes its argmax without a 1 GB/s-scale fp32 copy)."""
+        logits = torch.nn.functional.linear(hidden, self.lm_head_weight)
         cap = self.config.final_logit_softcapping
         if cap:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+            return torch.tanh(logits.float() / cap) * cap
+        return logits.float() if upcast else logits

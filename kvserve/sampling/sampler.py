@@ -47,6 +47,10 @@ def _needs_penalties(req: SamplingRequest) -> bool:
     )
 
 
+def _plain_greedy(req: SamplingRequest) -> bool:
+    return req.params.greedy and req.params.logprobs is None and not _needs_penalties(req)
+
+
 def _penalize_row(row: torch.Tensor, req: SamplingRequest, eos_token_ids: Sequence[int]) -> None:
     """Apply min_tokens masking and penalties to one row in place. row: [V]."""
     p = req.params
@@ -208,6 +212,9 @@ class Sampler:
             raise ValueError(
                 f"logits must be [N, V] with N={len(requests)} rows, got {tuple(logits.shape)}"
             )
+        if all(_plain_greedy(r) for r in requests):  # the common case: no fp32 copy of [N, V]
+            n = len(requests)
+            return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(), logprobs=[None] * n, top_logprobs=[None] * n)
         raw = logits.float()
         processed = apply_penalties(raw, requests, self.eos_token_ids)
         tokens = self._select(processed, requests)

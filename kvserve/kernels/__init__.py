@@ -1,0 +1,101 @@
+"""Small C kernels for the CPU hot path, compiled on first use and called through ctypes.
+
+Plain C (no torch headers) compiles in about a second with the system compiler; the shared
+object is cached under ~/.cache/kvserve/kernels keyed by the source, the flags and the CPU, so
+later starts just load it. Without a compiler (or with KVSERVE_NO_KERNELS=1) everything falls
+back to the pure-torch path, which gives the same results.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_SRC = Path(__file__).with_name("paged_attention.c")
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-fno-math-errno"]
+
+
+def _cpu_signature() -> str:
+    """The CPU's feature flags: -march=native code must not run on another kind of CPU."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _compile(src: Path, out: Path) -> None:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc/gcc) on PATH")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_out = Path(tmp) / out.name
+        proc = subprocess.run([cc, *_FLAGS, str(src), "-o", str(tmp_out), "-lm"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed on {src.name}: {proc.stderr.strip()[:500]}")
+        os.replace(tmp_out, out)  # atomic: a concurrent process never loads a half-written file
+
+
+@lru_cache(maxsize=1)
+def paged_attention_lib() -> ctypes.CDLL | None:
+    """The compiled paged-attention kernels, or None when they are unavailable."""
+    if os.environ.get("KVSERVE_NO_KERNELS") == "1":
+        return None
+    from kvserve.loading.cache import cache_root  # here: kvserve.loading imports the model package
+
+    key = hashlib.sha256(_SRC.read_bytes() + " ".join(_FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    so = cache_root() / "kernels" / f"paged_attention-{key}.so"
+    try:
+        if not so.exists():
+            _compile(_SRC, so)
+        lib = ctypes.CDLL(str(so))
+    except (OSError, RuntimeError) as e:
+        log.warning("C kernels unavailable, using the torch path: %s", e)
+        return None
+    p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    for fn in (lib.paged_decode_f32, lib.paged_decode_bf16):
+        fn.argtypes = [p, p, p, p, p, p, p, i, i, i, i, i, i, i, f, i]
+        fn.restype = ctypes.c_int
+    return lib
+
+
+def paged_decode_attention(q, k_pool, v_pool, tables, starts, lens, block_size: int, scale: float,
+                           max_len: int):
+    """Decode attention from the paged pool with the C kernel; None where it does not apply
+    (no kernel, not CPU, a dtype other than fp32/bf16), and the caller uses the torch path.
+
+    q [B, H, D]; k_pool, v_pool [slots, KVH, D]; tables [B, max_blocks] int32; starts, lens [B]
+    int32 (sequence b attends positions [starts[b], lens[b])); max_len = max(lens). -> [B, H, D].
+    """
+    import torch
+
+    lib = paged_attention_lib()
+    if lib is None or q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if k_pool.dtype != q.dtype or not (k_pool.is_contiguous() and v_pool.is_contiguous()):
+        return None
+    q = q.contiguous()
+    B, H, D = q.shape
+    kvh = k_pool.shape[1]
+    threads = torch.get_num_threads()
+    # Few sequences: cut each context into ranges so every thread has work (>= 128 positions each).
+    splits = max(1, min(-(-4 * threads // (B * kvh)), max_len // 128))
+    out = torch.empty_like(q)
+    fn = lib.paged_decode_f32 if q.dtype == torch.float32 else lib.paged_decode_bf16
+    rc = fn(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), tables.data_ptr(), starts.data_ptr(),
+            lens.data_ptr(), out.data_ptr(), B, H, kvh, D, block_size, tables.shape[1], splits, scale, threads)
+    if rc != 0:
+        raise MemoryError("paged attention kernel could not allocate its scratch memory")
+    return out
