@@ -1,10 +1,12 @@
-# Two commands do everything on a fresh machine: `make run` and `make test`.
+# Two commands do everything on a fresh machine: `make serve` (the OpenAI-compatible server) and `make test`.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= The capital of France is
 MAX_TOKENS ?= 64
+HOST ?= 127.0.0.1
+PORT ?= 8000
 
-.PHONY: run test venv clean bench
+.PHONY: serve run test venv clean bench
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -14,6 +16,9 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 venv: $(VENV)/.installed
+
+serve: venv
+	$(VENV)/bin/kvserve serve --host $(HOST) --port $(PORT)
 
 run: venv
 	$(VENV)/bin/kvserve generate "$(PROMPT)" --max-tokens $(MAX_TOKENS)

@@ -33,6 +33,24 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frequency-penalty", type=float, default=0.0)
 
 
+def _add_serve_parser(sub) -> None:
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    srv.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                     help="GGUF file or HF folder (default: bundled Gemma 3 270M); same as --model")
+    _add_engine_args(srv)
+    srv.add_argument("--max-num-seqs", type=_positive, default=64, help="sequences per step")
+    srv.add_argument("--max-num-batched-tokens", type=_positive, default=2048, help="token budget per step")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    srv.add_argument("--max-queue", type=int, default=None, help="waiting requests before answering 429 (1024)")
+    srv.add_argument("--max-body-bytes", type=_positive, default=None, help="larger request bodies get 413 (4 MiB)")
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="on SIGTERM, seconds in-flight requests get to finish before they are aborted")
+    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description="A small LLM inference engine.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -41,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(gen)
     _add_sampling_args(gen)
     gen.add_argument("--quiet-metrics", action="store_true", help="do not print TTFT/TPOT at the end")
+    _add_serve_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     tp = bench.add_parser("throughput", help="offline throughput on a random workload (optionally vs HF)")
@@ -65,6 +84,25 @@ def build_parser() -> argparse.ArgumentParser:
     pf.add_argument("--output-len", type=_positive, default=32)
     pf.add_argument("--seed", type=int, default=0)
     pf.add_argument("--json", default=None)
+    sv = bench.add_parser("serve", help="online serving benchmark against an OpenAI-compatible server")
+    sv.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    sv.add_argument("--model", default=None, help="served model name (default: the first of /v1/models)")
+    sv.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    sv.add_argument("--request-rate", default="inf",
+                    help="requests/s with Poisson arrivals; comma list = sweep; inf = all at once")
+    sv.add_argument("--max-concurrency", type=_positive, default=None, help="at most this many requests in flight")
+    sv.add_argument("--num-prompts", type=_positive, default=64, help="requests per rate")
+    sv.add_argument("--dataset", choices=["random", "wikitext2"], default="random")
+    sv.add_argument("--dataset-path", default=None, help="wikitext2 text file (default: shared/data/wikitext2)")
+    sv.add_argument("--input-len", type=_positive, default=256, help="prompt length in words")
+    sv.add_argument("--output-len", type=_positive, default=64, help="max_tokens per request (ignore_eos)")
+    sv.add_argument("--seed", type=int, default=0)
+    sv.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                    help="SLOs in ms, e.g. ttft:500 tpot:50 e2e:10000; goodput = req/s meeting all")
+    sv.add_argument("--api-key", default=None)
+    sv.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    sv.add_argument("--json", default=None)
+    sv.add_argument("--plot", default=None, help="PNG of TTFT/TPOT vs output tok/s, one point per rate")
     return parser
 
 
@@ -95,6 +133,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from kvserve.bench.prefix import main as prefix
 
         return prefix(args)
+    if args.bench == "serve":
+        from kvserve.bench.serve import main as serve
+
+        return serve(args)
     raise ValueError(f"unknown benchmark {args.bench!r}")
 
 
@@ -135,11 +177,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvserve.config import EngineConfig
+    from kvserve.server.launch import ServeOptions, serve
+
+    if args.model_path and args.model and args.model_path != args.model:
+        raise ValueError(f"two models given: {args.model_path!r} and --model {args.model!r}")
+    config = EngineConfig(model=args.model_path or args.model, device=args.device, dtype=args.dtype,
+                          use_kv_cache=not args.no_kv_cache, kv_cache_gib=args.kv_cache_gib,
+                          max_model_len=args.max_model_len, num_threads=args.threads,
+                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    limits = {k: getattr(args, k) for k in ("max_queue", "max_body_bytes") if getattr(args, k) is not None}
+    opts = ServeOptions(host=args.host, port=args.port, served_model_name=args.served_model_name,
+                        api_key=args.api_key, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
+                        **limits)
+    return serve(config, opts)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="kvserve: %(message)s", stream=sys.stderr)
     try:
-        return {"generate": cmd_generate, "bench": cmd_bench}[args.command](args)
+        return {"generate": cmd_generate, "bench": cmd_bench, "serve": cmd_serve}[args.command](args)
     except ValueError as e:  # bad input (ModelLoadError is a ValueError): a message, no traceback
         print(f"kvserve: error: {e}", file=sys.stderr)
         return 2

@@ -67,7 +67,8 @@ def _gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{_GGUF_NAMES[local]}.{kind}"
 
 
-def write_llama_gguf(model, tokenizer_json: Path, out: Path, qtype: str, pre: str) -> None:
+def write_llama_gguf(model, tokenizer_json: Path, out: Path, qtype: str, pre: str,
+                     chat_template: str | None = None) -> None:
     import gguf
 
     cfg = model.config
@@ -107,6 +108,8 @@ def write_llama_gguf(model, tokenizer_json: Path, out: Path, qtype: str, pre: st
     w.add_eos_token_id(cfg.eos_token_id)
     w.add_pad_token_id(cfg.pad_token_id)
     w.add_add_bos_token(True)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
 
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:

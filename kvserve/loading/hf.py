@@ -68,6 +68,24 @@ def _as_list(x) -> list[int]:
     return [int(i) for i in (x if isinstance(x, list) else [x])]
 
 
+def read_chat_template(folder: Path) -> str | None:
+    """The folder's chat template: `chat_template.jinja` (where newer transformers save it), else
+    `tokenizer_config.json`'s `chat_template` (a string, or a list of named templates)."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text() or None
+    tok_cfg = folder / "tokenizer_config.json"
+    if not tok_cfg.is_file():
+        return None
+    tpl = _read_json(tok_cfg).get("chat_template")
+    if isinstance(tpl, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, dict)}
+        tpl = named.get("default") or next(iter(named.values()), None)
+    if tpl is not None and not isinstance(tpl, str):
+        raise ModelLoadError(tok_cfg, f"chat_template must be a string, got {type(tpl).__name__}")
+    return tpl or None
+
+
 def read_hf_config(folder: Path) -> ModelConfig:
     cfg_path = folder / "config.json"
     c = _read_json(cfg_path)
@@ -112,6 +130,7 @@ def read_hf_config(folder: Path) -> ModelConfig:
             bos_token_id=c.get("bos_token_id"),
             eos_token_ids=eos or _as_list(c.get("eos_token_id")),
             pad_token_id=c.get("pad_token_id"),
+            chat_template=read_chat_template(folder),
         )
     except ModelLoadError:
         raise

@@ -1,0 +1,409 @@
+"""AsyncLLMEngine: the LLMEngine driven by one background thread, for the server.
+
+Why a thread and queues: a step is tens of milliseconds of torch compute; run on the event
+loop it would stall every HTTP connection for that long. So exactly one thread owns the
+LLMEngine and runs `step()`; nothing else touches it. Everyone else talks to that thread:
+
+* submissions and aborts go into one command list under a condition variable; the loop drains
+  it between steps (so a request added mid-step joins the next one), and sleeps on the
+  condition when there is nothing to do (no busy spin);
+* each request has an asyncio.Queue on its caller's event loop, fed from the engine thread
+  with `loop.call_soon_threadsafe`;
+* tokenization (the one CPU-heavy thing a handler does) runs in a small thread pool, so it
+  neither blocks the event loop nor waits behind a step;
+* `stats()` reads a snapshot the loop publishes after every drain and step.
+
+A failing step must not kill the loop silently: the requests it was running are failed with an
+error (their blocks freed) and the loop keeps serving the others.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.metrics import RequestMetrics
+from kvserve.engine.outputs import CompletionOutput, RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class RequestError(Exception):
+    """A request the engine refused or could not finish.
+
+    `status` says whose fault it was, as an HTTP status: 400 when the request itself can never
+    run (the engine rejected it), 500 when the engine failed while running it.
+    """
+
+    def __init__(self, message: str, status: int = 500):
+        super().__init__(message)
+        self.status = status
+
+
+class OutputObserver(Protocol):
+    """Sees every output on the engine thread (the Prometheus collectors implement it)."""
+
+    def on_output(self, out: RequestOutput, first: bool) -> None: ...
+
+
+@dataclass
+class _Stream:
+    """Where one request's outputs go: a queue living on its caller's event loop."""
+
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    n: int
+    prompt_token_ids: list[int] | None
+    arrival_time: float
+    last: RequestOutput | None = None
+    cancelled: bool = False  # the consumer went away; drop anything still coming
+
+
+@dataclass
+class _Add:
+    stream: _Stream
+    prompt: str | list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+@dataclass
+class _Abort:
+    request_id: str
+    notify: bool  # True: tell the consumer (server-side abort); False: the consumer asked
+
+
+class RequestStream:
+    """Async iterator over one request's outputs (each carries `delta_text`/`delta_token_ids`).
+
+    A class rather than an async generator on purpose: the request is submitted as soon as
+    `generate()` returns, and `aclose()` aborts it even when iteration never started (an async
+    generator that never ran would skip its `finally`). Cancelling a pending `__anext__`
+    (client gone) aborts as well, and so does dropping the object unclosed.
+    """
+
+    def __init__(self, engine: "AsyncLLMEngine", stream: _Stream):
+        self._engine = engine
+        self._stream = stream
+        self._done = False
+
+    @property
+    def request_id(self) -> str:
+        return self._stream.request_id
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._stream.queue.get()
+        except BaseException:  # CancelledError: whoever waited on us is gone
+            self.close()
+            raise
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        self._done = item.finished
+        return item
+
+    async def aclose(self) -> None:
+        self.close()
+
+    async def __aenter__(self) -> "RequestStream":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop listening; an unfinished request is aborted and its KV blocks freed."""
+        if not self._done:
+            self._done = True
+            self._stream.cancelled = True
+            self._engine.abort(self.request_id, notify=False)
+
+    def __del__(self) -> None:  # last resort: never leave an unread request holding KV blocks
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine, *, tokenizer_threads: int = 2,
+                 observer: OutputObserver | None = None):
+        self.engine = engine
+        self.observer = observer
+        self._cv = threading.Condition()
+        self._commands: list[_Add | _Abort] = []  # guarded by _cv
+        self._num_pending_adds = 0  # guarded by _cv: submitted, not yet in the scheduler
+        self._streams: dict[str, _Stream] = {}  # guarded by _cv
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._stats: dict = engine.stats()
+        self._tokenizer_threads = tokenizer_threads
+        self._tokenizer_pool: ThreadPoolExecutor | None = self._new_pool()
+        self._consecutive_failures = 0
+        self.loop_iterations = 0  # wake-ups of the engine thread (idle means this stands still)
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        if self._tokenizer_pool is None:  # started again after a shutdown (an app's second lifespan)
+            self._tokenizer_pool = self._new_pool()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort whatever is left (consumers see finish_reason "abort"), stop the thread."""
+        self.abort_all()
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, timeout)
+            self._thread = None
+        pool, self._tokenizer_pool = self._tokenizer_pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _new_pool(self) -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(self._tokenizer_threads, thread_name_prefix="kvserve-tokenize")
+
+    # ---------------------------------------------------------------- requests
+    async def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """engine.tokenize off the event loop (raises its ValueError for a bad prompt)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_pool, self.engine.tokenize, prompt)
+
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Raw tokenizer encode off the event loop (chat prompts carry their own BOS)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_pool, self.engine.tokenizer.encode, text,
+                                          add_special_tokens)
+
+    def clock(self) -> float:
+        """The engine's monotonic clock: a handler stamps arrival with it before tokenizing."""
+        return self.engine.clock()
+
+    def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                 arrival_time: float | None = None) -> RequestStream:
+        """Submit now; iterate the result for the outputs. Raises ValueError for a duplicate id.
+
+        `arrival_time` (engine clock) defaults to now; a server passes the time the HTTP request
+        arrived, so TTFT includes tokenization as vLLM defines it."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        loop = asyncio.get_running_loop()
+        ids = list(prompt) if not isinstance(prompt, str) else None
+        arrival = self.engine.clock() if arrival_time is None else arrival_time
+        stream = _Stream(request_id, loop, asyncio.Queue(), params.n, ids, arrival)
+        with self._cv:
+            if request_id in self._streams:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            if self._stopping:
+                raise RequestError("the engine is shutting down", 503)
+            self._streams[request_id] = stream
+            self._commands.append(_Add(stream, prompt, params, stream.arrival_time))
+            self._num_pending_adds += 1
+            self._cv.notify()
+        return RequestStream(self, stream)
+
+    def abort(self, request_id: str, notify: bool = True) -> None:
+        """Thread-safe; the loop frees the request's blocks before its next step."""
+        with self._cv:
+            self._commands.append(_Abort(request_id, notify))
+            self._cv.notify()
+
+    def abort_all(self) -> None:
+        with self._cv:
+            for rid in list(self._streams):
+                self._commands.append(_Abort(rid, True))
+            self._cv.notify()
+
+    # ---------------------------------------------------------------- introspection
+    def stats(self) -> dict:
+        """The engine's counters as of the last drain/step; waiting includes submissions the
+        loop has not picked up yet (what a queue limit must count)."""
+        with self._cv:
+            stats = dict(self._stats)
+            stats["num_requests_waiting"] += self._num_pending_adds
+        return stats
+
+    @property
+    def num_waiting(self) -> int:
+        return self.stats()["num_requests_waiting"]
+
+    @property
+    def num_unfinished(self) -> int:
+        with self._cv:
+            return len(self._streams)
+
+    # ---------------------------------------------------------------- the loop (engine thread)
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._commands or self._stopping or self.engine.has_unfinished()):
+                    self._cv.wait()
+                commands, self._commands = self._commands, []
+                stopping = self._stopping
+            self.loop_iterations += 1
+            self._apply(commands)
+            if stopping:
+                self._abort_everything()
+                self._publish_stats(0)
+                return
+            if self.engine.has_unfinished():
+                self._step()
+            self._publish_stats(0)
+
+    def _apply(self, commands: list[_Add | _Abort]) -> None:
+        adds = 0
+        for cmd in commands:
+            if isinstance(cmd, _Add):
+                adds += 1
+                self._add(cmd)
+            else:
+                self._abort(cmd.request_id, cmd.notify)
+        self._publish_stats(adds)
+
+    def _add(self, cmd: _Add) -> None:
+        s = cmd.stream
+        if s.cancelled:  # gone before it even started
+            self._forget(s.request_id)
+            return
+        try:
+            self.engine.add_request(cmd.prompt, cmd.params, s.request_id, arrival_time=cmd.arrival_time)
+        except ValueError as e:
+            self._fail(s, RequestError(str(e), 400))
+        except Exception as e:  # a bug, not bad input: say so, keep serving
+            log.exception("add_request %s failed", s.request_id)
+            self._fail(s, RequestError(f"engine error while adding the request: {type(e).__name__}: {e}", 500))
+
+    def _abort(self, request_id: str, notify: bool) -> None:
+        try:
+            self.engine.abort(request_id)
+        except Exception:
+            log.exception("abort %s failed", request_id)
+        with self._cv:
+            stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        if notify and not stream.cancelled:
+            self._deliver(stream, _aborted_output(stream, self.engine.clock()))
+        else:
+            self._forget(request_id)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            self._step_failed(e)
+            return
+        self._consecutive_failures = 0
+        for out in outputs:
+            with self._cv:
+                stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # aborted while the step ran
+            if out.error is not None:
+                self._observe(stream, out)
+                self._fail(stream, RequestError(out.error, 400))
+            else:
+                self._deliver(stream, out)
+
+    def _step_failed(self, exc: Exception) -> None:
+        """Fail the requests the step was running; if steps keep failing, fail everything
+        (the culprit may be a request still waiting to be admitted)."""
+        self._consecutive_failures += 1
+        log.exception("engine step failed (%d in a row)", self._consecutive_failures, exc_info=exc)
+        running = {s.request_id for s in self.engine.scheduler.running}
+        victims = running if running and self._consecutive_failures == 1 else set(self.engine.requests)
+        error = RequestError(f"engine error: {type(exc).__name__}: {exc}", 500)
+        for rid in victims:
+            try:
+                self.engine.abort(rid)
+            except Exception:
+                log.exception("abort %s after a failed step failed", rid)
+            with self._cv:
+                stream = self._streams.get(rid)
+            if stream is not None:
+                self._fail(stream, error)
+
+    def _abort_everything(self) -> None:
+        for rid in list(self.engine.requests):
+            self._abort(rid, notify=True)
+        with self._cv:
+            leftovers = list(self._streams.values())
+        for stream in leftovers:  # submitted but never added
+            self._fail(stream, RequestError("the engine shut down", 503))
+
+    # ---------------------------------------------------------------- delivery
+    def _deliver(self, stream: _Stream, out: RequestOutput) -> None:
+        self._observe(stream, out)
+        stream.last = out
+        if out.finished:
+            self._forget(stream.request_id)
+        self._put(stream, out)
+
+    def _fail(self, stream: _Stream, error: RequestError) -> None:
+        self._forget(stream.request_id)
+        self._put(stream, error)
+
+    def _put(self, stream: _Stream, item: RequestOutput | BaseException) -> None:
+        if stream.cancelled:
+            return
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        except RuntimeError:  # the caller's event loop is closed: nobody will ever read this
+            stream.cancelled = True
+            if self.engine.requests.get(stream.request_id) is not None:
+                self.engine.abort(stream.request_id)
+            self._forget(stream.request_id)
+
+    def _observe(self, stream: _Stream, out: RequestOutput) -> None:
+        if self.observer is None:
+            return
+        try:
+            self.observer.on_output(out, first=stream.last is None)
+        except Exception:  # metrics must never take a request down
+            log.exception("metrics observer failed")
+
+    def _forget(self, request_id: str) -> None:
+        with self._cv:
+            self._streams.pop(request_id, None)
+
+    def _publish_stats(self, drained_adds: int) -> None:
+        stats = self.engine.stats()
+        with self._cv:
+            self._stats = stats
+            self._num_pending_adds -= drained_adds
+
+
+def _aborted_output(stream: _Stream, now: float) -> RequestOutput:
+    """The final output of a request aborted by the server: what was produced, "abort"."""
+    last = stream.last
+    if last is None:
+        ids = stream.prompt_token_ids or []
+        comps = [CompletionOutput(index=i, text="", token_ids=[], finish_reason="abort") for i in range(stream.n)]
+        metrics = RequestMetrics(arrival_time=stream.arrival_time, finished_time=now, num_prompt_tokens=len(ids))
+        return RequestOutput(stream.request_id, None, ids, comps, True, metrics)
+    comps = [dataclasses.replace(c, finish_reason=c.finish_reason or "abort", delta_text="", delta_token_ids=[])
+             for c in last.outputs]
+    metrics = dataclasses.replace(last.metrics, finished_time=now)
+    return dataclasses.replace(last, outputs=comps, finished=True, metrics=metrics)

@@ -1,0 +1,60 @@
+"""Request body -> validated pydantic model, every failure a 4xx naming what is wrong.
+
+Parsed by hand rather than by FastAPI's body injection so that each failure gets its own
+clear status and message: wrong Content-Type (415), bytes that are not UTF-8, text that is
+not JSON (including NaN/Infinity, which Python's json would accept), JSON that is not an
+object (400), and pydantic's validation errors (400 with `param`).
+"""
+from __future__ import annotations
+
+import json
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+
+from kvserve.server.errors import APIError, from_validation_error
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _check_content_type(request: Request) -> None:
+    ctype = request.headers.get("content-type")
+    if ctype is None:
+        return  # lenient: curl without -H still sends JSON
+    media = ctype.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise APIError(415, f"Content-Type must be application/json, got {ctype!r}", None, "unsupported_media_type")
+
+
+def _check_unicode(obj: dict) -> None:
+    """JSON escapes can spell lone surrogates ("\\ud800") that are not text: no tokenizer takes them."""
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"request body contains an invalid Unicode escape (a lone surrogate, {e.reason})",
+                       None, "invalid_encoding") from None
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    _check_content_type(request)
+    raw = await request.body()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"request body is not valid UTF-8 (byte {e.start})", None, "invalid_encoding") from None
+    try:
+        obj = json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:
+        raise APIError(400, f"request body is not valid JSON: {e}", None, "invalid_json") from None
+    if not isinstance(obj, dict):
+        raise APIError(400, f"request body must be a JSON object, got {type(obj).__name__}", None, "invalid_json")
+    _check_unicode(obj)
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        raise from_validation_error(e) from None

@@ -1,0 +1,80 @@
+"""Admission at the HTTP edge of the API routes (/v1/...), before any handler runs.
+
+One pure ASGI middleware (not BaseHTTPMiddleware: that one buffers streaming responses
+through a task group and hides disconnects) that, for /v1/ requests:
+* answers 503 while the server drains for shutdown,
+* checks the bearer token when an API key is set (401),
+* refuses a body over the limit: at once from Content-Length, and while reading by counting
+  the bytes actually received (chunked uploads, lying headers) (413),
+* counts in-flight requests, streams included, so a drain knows when they are done.
+/health, /metrics, /stats and / stay open (probes and dashboards carry no key).
+"""
+from __future__ import annotations
+
+import hmac
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvserve.server.errors import APIError, error_response
+from kvserve.server.state import ServerState
+
+
+class Gateway:
+    def __init__(self, app: ASGIApp, state: ServerState):
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        try:
+            self._admit(scope)
+        except APIError as e:
+            await error_response(e)(scope, receive, send)
+            return
+        self.state.inflight += 1
+        try:
+            await self.app(scope, _limited(receive, self.state.max_body_bytes), send)
+        finally:
+            self.state.inflight -= 1
+
+    def _admit(self, scope: Scope) -> None:
+        st = self.state
+        if st.draining:
+            raise APIError(503, "the server is shutting down", None, "shutting_down")
+        headers = dict(scope["headers"])
+        if st.api_key is not None and not _authorized(headers.get(b"authorization", b""), st.api_key):
+            raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'", None,
+                           "invalid_api_key")
+        length = headers.get(b"content-length")
+        if length is not None:
+            try:
+                size = int(length)
+            except ValueError:
+                raise APIError(400, f"Content-Length {length.decode('latin-1')!r} is not a number", None,
+                               "invalid_header") from None
+            if size > st.max_body_bytes:
+                raise APIError(413, f"request body of {size} bytes exceeds the limit of {st.max_body_bytes}",
+                               None, "request_too_large")
+
+
+def _authorized(header: bytes, key: str) -> bool:
+    scheme, _, token = header.decode("latin-1").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
+def _limited(receive: Receive, limit: int) -> Receive:
+    """`receive` that fails with 413 once more than `limit` body bytes have arrived."""
+    total = 0
+
+    async def wrapped() -> Message:
+        nonlocal total
+        message = await receive()
+        if message["type"] == "http.request":
+            total += len(message.get("body", b""))
+            if total > limit:
+                raise APIError(413, f"request body exceeds the limit of {limit} bytes", None, "request_too_large")
+        return message
+
+    return wrapped

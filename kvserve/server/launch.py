@@ -1,0 +1,104 @@
+"""`kvserve serve`: load the model, build the app, run uvicorn with a graceful drain.
+
+On SIGTERM (or the first Ctrl+C) the server drains instead of dying: new API requests get
+503 while the listening socket stays open (a load balancer sees a clean refusal, not a
+connection reset), in-flight requests have `shutdown_timeout` seconds to finish, whatever
+still runs after that is aborted (its stream ends with finish_reason "abort"), and then
+uvicorn closes connections, the engine thread stops and the process exits 0. A second
+signal exits at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+from types import FrameType
+
+import uvicorn
+
+from kvserve.config import EngineConfig
+from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.server.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, build_app
+from kvserve.server.state import ServerState
+
+log = logging.getLogger(__name__)
+DEFAULT_MODEL_NAME = "gemma-3-270m"
+
+
+@dataclass
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    api_key: str | None = None
+    max_queue: int = DEFAULT_MAX_QUEUE
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    shutdown_timeout: float = 30.0
+    log_level: str = "info"
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose first SIGTERM/SIGINT drains the app before the usual shutdown."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout: float):
+        super().__init__(config)
+        self._state = state
+        self._timeout = shutdown_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task | None = None
+        self._signalled = False
+
+    async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets=sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Not recorded in uvicorn's captured signals: it would re-raise SIGTERM after the
+        # shutdown, and the default handler would end the process with -15 instead of 0.
+        if self._signalled or self._loop is None:
+            self.should_exit = True
+            self.force_exit = self._signalled
+            return
+        self._signalled = True
+        self._loop.call_soon_threadsafe(self._start_drain, sig)
+
+    def _start_drain(self, sig: int) -> None:
+        # On the event loop, not in the signal handler: logging there could re-enter a lock.
+        log.info("received %s: draining (up to %.0f s)", signal.Signals(sig).name, self._timeout)
+        self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        try:
+            await self._state.drain(self._timeout)
+        finally:
+            self.should_exit = True
+
+
+def serve(config: EngineConfig, opts: ServeOptions) -> int:
+    """Blocks until the server has shut down; returns the exit status (0 after a drain)."""
+    _check_options(opts)
+    engine = LLMEngine(config)
+    name = opts.served_model_name or (str(config.model) if config.model is not None else DEFAULT_MODEL_NAME)
+    app = build_app(AsyncLLMEngine(engine), name, api_key=opts.api_key, max_queue=opts.max_queue,
+                    max_body_bytes=opts.max_body_bytes)
+    uv_config = uvicorn.Config(app, host=opts.host, port=opts.port, log_level=opts.log_level,
+                               timeout_graceful_shutdown=5, timeout_keep_alive=5)
+    server = DrainingServer(uv_config, app.state.kvserve, opts.shutdown_timeout)
+    log.info("serving %r on http://%s:%d (OpenAI API at /v1)", name, opts.host, opts.port)
+    server.run()
+    return 0 if server.started else 1
+
+
+def _check_options(opts: ServeOptions) -> None:
+    if not 0 <= opts.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {opts.port}")
+    if opts.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {opts.max_queue}")
+    if opts.max_body_bytes < 1:
+        raise ValueError(f"--max-body-bytes must be >= 1, got {opts.max_body_bytes}")
+    if opts.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0, got {opts.shutdown_timeout}")
+    if opts.api_key is not None and not opts.api_key:
+        raise ValueError("--api-key must not be empty")

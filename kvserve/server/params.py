@@ -1,0 +1,55 @@
+"""OpenAI request -> SamplingParams, and the context-length checks the engine would fail later.
+
+Checking here, before submission, turns "the request can never fit" into a 400 naming the
+field (`prompt`/`messages` or `max_tokens`) instead of a failure after queueing.
+"""
+from __future__ import annotations
+
+from dataclasses import fields
+
+from kvserve.sampling_params import SamplingParams
+from kvserve.server.errors import APIError, from_value_error
+from kvserve.server.protocol import _SamplingRequest
+
+SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
+
+# Fields left None in a request take SamplingParams' defaults (vLLM's), not OpenAI's nulls.
+_OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_params(req: _SamplingRequest, max_tokens: int | None, logprobs: int | None,
+                    rename: dict[str, str] | None = None) -> SamplingParams:
+    """Build and validate; a ValueError becomes a 400 whose `param` is the request's field name
+    (`rename` maps SamplingParams names to the request's, e.g. logprobs -> top_logprobs)."""
+    kwargs = dict(
+        n=req.n, max_tokens=max_tokens, stop=req.stop, seed=req.seed, logprobs=logprobs,
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, stop_token_ids=req.stop_token_ids,
+        include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
+    )
+    for name in _OPTIONAL:
+        value = getattr(req, name)
+        if value is not None:
+            kwargs[name] = value
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as e:
+        err = from_value_error(e, SAMPLING_FIELDS)
+        if rename and err.param in rename:
+            err.message = err.message.replace(err.param, rename[err.param], 1)
+            err.param = rename[err.param]
+        raise err from None
+
+
+def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
+                  prompt_field: str, max_tokens_field: str) -> None:
+    """The prompt must leave room to generate, and prompt + max_tokens must fit the context."""
+    if num_prompt_tokens >= max_model_len:
+        raise APIError(400, f"{prompt_field} has {num_prompt_tokens} tokens; this model's context (max_model_len) "
+                            f"is {max_model_len} tokens, which leaves no room for output",
+                       prompt_field, "context_length_exceeded")
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
+        room = max_model_len - num_prompt_tokens
+        raise APIError(400, f"{max_tokens_field} is too large: {max_tokens} output tokens + {num_prompt_tokens} prompt "
+                            f"tokens exceed this model's context (max_model_len {max_model_len}); "
+                            f"ask for at most {room}", max_tokens_field, "context_length_exceeded")

@@ -1,0 +1,67 @@
+"""What every handler shares: the engine, the model's name and template, limits, drain state."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.loading.tokenizer import Tokenizer
+from kvserve.server.chat_template import ChatTemplate
+from kvserve.server.errors import APIError
+from kvserve.server.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerState:
+    engine: AsyncLLMEngine
+    model_name: str
+    chat_template: ChatTemplate
+    metrics: ServerMetrics
+    api_key: str | None
+    max_queue: int
+    max_body_bytes: int
+    created: int = field(default_factory=lambda: int(time.time()))
+    draining: bool = False  # set on SIGTERM: new API requests get 503
+    inflight: int = 0  # API requests being handled (streams included), counted by the gateway
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.max_model_len
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"model {name!r} does not exist; this server serves {self.model_name!r}",
+                           "model", "model_not_found")
+
+    def admit(self, count: int = 1) -> None:
+        """Refuse new work while draining (503) or when `count` more requests would take the
+        waiting queue past max_queue (429)."""
+        if self.draining:
+            raise APIError(503, "the server is shutting down", None, "shutting_down")
+        waiting = self.engine.num_waiting
+        if waiting + count > self.max_queue:
+            raise APIError(429, f"server busy: {waiting} requests are already waiting (max_queue "
+                                f"{self.max_queue}); retry later", None, "queue_full")
+
+    async def drain(self, timeout: float) -> None:
+        """Stop taking requests, let in-flight ones finish for up to `timeout` s, abort the rest."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        if self.inflight:
+            log.info("draining: waiting up to %.0f s for %d in-flight request(s)", timeout, self.inflight)
+        while self.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.inflight:
+            log.warning("draining: aborting %d request(s) still running after %.0f s", self.inflight, timeout)
+            self.engine.abort_all()
+            grace = time.monotonic() + 5.0  # the aborted streams send their final chunk
+            while self.inflight and time.monotonic() < grace:
+                await asyncio.sleep(0.05)

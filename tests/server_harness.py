@@ -1,0 +1,82 @@
+"""A live uvicorn server on 127.0.0.1 in a background thread, for tests that talk real HTTP."""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+import uvicorn
+
+from kvserve import EngineConfig
+from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.server import build_app
+
+
+class LiveServer:
+    def __init__(self, app, sock: socket.socket):
+        self.app = app
+        self.state = app.state.kvserve
+        self.engine: LLMEngine = self.state.engine.engine
+        host, port = sock.getsockname()[:2]
+        self.url = f"http://{host}:{port}"
+        self._sock = sock
+        config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+
+    def start(self) -> "LiveServer":
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("live server did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=30)
+        self._sock.close()
+
+    def run_coroutine(self, coro) -> "concurrent.futures.Future":
+        """Run `coro` on the server's event loop (where the app's state lives)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.server.servers[0].get_loop())
+
+    def pool_is_full(self) -> bool:
+        """Every KV block is free and no request is left, as seen from the engine thread."""
+        s = self.state.engine.stats()
+        return (s["kv_blocks_free"] == s["kv_blocks_total"] and s["num_requests_running"] == 0
+                and s["num_requests_waiting"] == 0 and self.state.engine.num_unfinished == 0)
+
+    def wait_pool_full(self, timeout: float = 30.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.pool_is_full():
+                return True
+            time.sleep(0.05)
+        return self.pool_is_full()
+
+
+def free_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+def make_engine(loaded, **config) -> LLMEngine:
+    return LLMEngine(EngineConfig(**config), loaded=loaded)
+
+
+@contextmanager
+def live_server(engine: LLMEngine | AsyncLLMEngine, name: str = "test-model", **app_args) -> Iterator[LiveServer]:
+    server = LiveServer(build_app(engine, name, **app_args), free_socket()).start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,211 @@
+"""Malformed and hostile HTTP requests: each gets a 4xx in OpenAI's error shape whose message
+names the bad field, never a 500; the server stays up and the KV pool is whole afterwards."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from kvserve.loading import load_model
+from tests.server_harness import live_server, make_engine
+from tests.tiny_models import make_model
+
+pytestmark = pytest.mark.slow
+MODEL = "gemma-test"
+MAX_MODEL_LEN = 1024
+MAX_BODY = 256 * 1024
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+USER = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def server(gemma):
+    engine = make_engine(gemma, kv_cache_gib=0.1, max_model_len=MAX_MODEL_LEN)
+    with live_server(engine, MODEL, max_body_bytes=MAX_BODY) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        yield client
+
+
+def _comp(**kw) -> dict:
+    return {"model": MODEL, "prompt": "Hello", "max_tokens": 2, **kw}
+
+
+def _chat(**kw) -> dict:
+    return {"model": MODEL, "messages": USER, "max_tokens": 2, **kw}
+
+
+# (path, json body, expected status, expected `param` (prefix) or None)
+JSON_CASES = {
+    "max_tokens string": (C, _comp(max_tokens="5"), 400, "max_tokens"),
+    "max_tokens negative": (C, _comp(max_tokens=-1), 400, "max_tokens"),
+    "max_tokens zero": (C, _comp(max_tokens=0), 400, "max_tokens"),
+    "max_tokens float": (C, _comp(max_tokens=1.5), 400, "max_tokens"),
+    "max_tokens huge": (C, _comp(max_tokens=10**9), 400, "max_tokens"),
+    "temperature negative": (C, _comp(temperature=-0.5), 400, "temperature"),
+    "temperature too high": (C, _comp(temperature=5), 400, "temperature"),
+    "temperature string": (C, _comp(temperature="hot"), 400, "temperature"),
+    "top_p zero": (C, _comp(top_p=0), 400, "top_p"),
+    "top_p above one": (C, _comp(top_p=1.5), 400, "top_p"),
+    "n zero": (C, _comp(n=0), 400, "n"),
+    "n huge": (C, _comp(n=100000), 400, "n"),
+    "n bool": (C, _comp(n=True), 400, "n"),
+    "unknown field": (C, _comp(max_token=5), 400, "max_token"),
+    "empty prompt": (C, _comp(prompt=""), 400, "prompt"),
+    "empty prompt list": (C, _comp(prompt=[]), 400, "prompt"),
+    "missing prompt": (C, {"model": MODEL, "max_tokens": 2}, 400, "prompt"),
+    "prompt of wrong type": (C, _comp(prompt=5), 400, "prompt"),
+    "mixed prompt batch": (C, _comp(prompt=["a", [1, 2]]), 400, "prompt"),
+    "empty token list in a batch": (C, _comp(prompt=[[2, 3], []]), 400, "prompt"),
+    "negative token id": (C, _comp(prompt=[2, -5]), 400, "prompt"),
+    "token id past vocab": (C, _comp(prompt=[2, 10**7]), 400, "prompt"),
+    "prompt past the context": (C, _comp(prompt="word " * 2000), 400, "prompt"),
+    "stop of wrong type": (C, _comp(stop=5), 400, "stop"),
+    "stop with ints": (C, _comp(stop=[1, 2]), 400, "stop"),
+    "empty stop string": (C, _comp(stop=[""]), 400, "stop"),
+    "logprobs too many": (C, _comp(logprobs=50), 400, "logprobs"),
+    "logprobs negative": (C, _comp(logprobs=-1), 400, "logprobs"),
+    "presence_penalty out of range": (C, _comp(presence_penalty=3), 400, "presence_penalty"),
+    "frequency_penalty string": (C, _comp(frequency_penalty="x"), 400, "frequency_penalty"),
+    "seed string": (C, _comp(seed="abc"), 400, "seed"),
+    "seed past int64": (C, _comp(seed=2**70), 400, "seed"),
+    "top_k below -1": (C, _comp(top_k=-5), 400, "top_k"),
+    "min_p above one": (C, _comp(min_p=2.0), 400, "min_p"),
+    "min_tokens above max_tokens": (C, _comp(min_tokens=5), 400, "min_tokens"),
+    "repetition_penalty zero": (C, _comp(repetition_penalty=0), 400, "repetition_penalty"),
+    "negative stop token id": (C, _comp(stop_token_ids=[-1]), 400, "stop_token_ids"),
+    "stream not a bool": (C, _comp(stream="yes"), 400, "stream"),
+    "stream_options without stream": (C, _comp(stream_options={"include_usage": True}), 400, "stream_options"),
+    "echo unsupported": (C, _comp(echo=True), 400, "echo"),
+    "logit_bias unsupported": (C, _comp(logit_bias={"1": 5}), 400, "logit_bias"),
+    "suffix unsupported": (C, _comp(suffix="!"), 400, "suffix"),
+    "unknown model": (C, _comp(model="gpt-17"), 404, "model"),
+    "empty messages": (CHAT, _chat(messages=[]), 400, "messages"),
+    "missing messages": (CHAT, {"model": MODEL}, 400, "messages"),
+    "messages not a list": (CHAT, _chat(messages="hi"), 400, "messages"),
+    "wrong role": (CHAT, _chat(messages=[{"role": "wizard", "content": "x"}]), 400, "messages[0].role"),
+    "tool role": (CHAT, _chat(messages=[{"role": "tool", "content": "x"}]), 400, "messages[0].role"),
+    "user without content": (CHAT, _chat(messages=[{"role": "user"}]), 400, "messages[0].content"),
+    "content of wrong type": (CHAT, _chat(messages=[{"role": "user", "content": 5}]), 400, "messages[0].content"),
+    "image content part": (CHAT, _chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]), 400, "messages[0].content"),
+    "unknown message field": (CHAT, _chat(messages=[{"role": "user", "content": "x", "mood": "happy"}]), 400,
+                              "messages[0].mood"),
+    "top_logprobs without logprobs": (CHAT, _chat(top_logprobs=2), 400, "top_logprobs"),
+    "top_logprobs too many": (CHAT, _chat(logprobs=True, top_logprobs=50), 400, "top_logprobs"),
+    "max_completion_tokens negative": (CHAT, _chat(max_completion_tokens=-3), 400, "max_completion_tokens"),
+    "max_completion_tokens huge": (CHAT, _chat(max_completion_tokens=10**6), 400, "max_completion_tokens"),
+    "chat past the context": (CHAT, _chat(messages=[{"role": "user", "content": "word " * 2000}]), 400, "messages"),
+    "tools unsupported": (CHAT, _chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    "json response_format": (CHAT, _chat(response_format={"type": "json_object"}), 400, "response_format"),
+    "chat unknown model": (CHAT, _chat(model="nope"), 404, "model"),
+}
+
+
+def _assert_openai_error(resp: httpx.Response, status: int, param: str | None) -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and len(err["message"]) > 5
+    assert err["type"] == "invalid_request_error"
+    if param is not None:
+        assert err["param"] is not None and err["param"].startswith(param), err
+        assert param.split("[")[0].split(".")[0] in err["message"], err
+    return err
+
+
+@pytest.mark.parametrize("case", list(JSON_CASES))
+def test_invalid_json_request(http, case):
+    path, body, status, param = JSON_CASES[case]
+    _assert_openai_error(http.post(path, json=body), status, param)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_invalid_request_also_fails_before_streaming(http, stream):
+    resp = http.post(C, json=_comp(temperature=-1, stream=stream))
+    _assert_openai_error(resp, 400, "temperature")
+
+
+RAW = {"Content-Type": "application/json"}
+RAW_CASES = {
+    "invalid JSON": (C, b'{"prompt": "x",', RAW, 400),
+    "non-UTF-8 body": (C, b'{"prompt": "\xff\xfe"}', RAW, 400),
+    "JSON array body": (CHAT, b"[1, 2, 3]", RAW, 400),
+    "JSON string body": (C, b'"hello"', RAW, 400),
+    "lone surrogate in prompt": (C, b'{"prompt": "\\ud800 hi"}', RAW, 400),
+    "lone surrogate in a message": (CHAT, b'{"messages": [{"role": "user", "content": "\\udfff"}]}', RAW, 400),
+    "NaN temperature": (C, b'{"prompt": "x", "temperature": NaN}', RAW, 400),
+    "deeply nested JSON": (C, b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}", RAW, 400),
+    "integer with 5000 digits": (C, b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", RAW, 400),
+    "empty body": (C, b"", RAW, 400),
+    "wrong content-type": (C, json.dumps(_comp()).encode(), {"Content-Type": "text/plain"}, 415),
+    "form content-type": (C, b"prompt=x", {"Content-Type": "application/x-www-form-urlencoded"}, 415),
+    "oversized body": (C, json.dumps(_comp(prompt="x" * (MAX_BODY + 10))).encode(), RAW, 413),
+}
+
+
+@pytest.mark.parametrize("case", list(RAW_CASES))
+def test_invalid_raw_body(http, case):
+    path, content, headers, status = RAW_CASES[case]
+    _assert_openai_error(http.post(path, content=content, headers=headers), status, None)
+
+
+def test_oversized_chunked_body_without_content_length(http):
+    def chunks():
+        yield b'{"prompt": "'
+        for _ in range(40):
+            yield b"x" * 10_000
+        yield b'"}'
+
+    resp = http.post(C, content=chunks(), headers=RAW)  # a generator: chunked, no Content-Length
+    _assert_openai_error(resp, 413, None)
+
+
+@pytest.mark.parametrize("method,path,status", [
+    ("GET", C, 405), ("GET", CHAT, 405), ("DELETE", "/v1/models", 405),
+    ("POST", "/v1/nope", 404), ("GET", "/v1/models/other-model", 404), ("POST", "/health", 405),
+])
+def test_wrong_route_or_method(http, method, path, status):
+    resp = http.request(method, path)
+    assert resp.status_code == status
+    err = resp.json()["error"]
+    assert path in err["message"] or "other-model" in err["message"]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny_llama_server")
+    make_model("llama", folder)
+    return load_model(folder)
+
+
+def test_api_key_required(tiny_llama):
+    with live_server(make_engine(tiny_llama, kv_cache_gib=0.01), "tiny", api_key="sekret") as srv, \
+            httpx.Client(base_url=srv.url, timeout=30) as http:
+        body = {"model": "tiny", "prompt": "The quick", "max_tokens": 2}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"},
+                        {"Authorization": "Basic sekret"}, {"Authorization": "Bearer"}):
+            resp = http.post(C, json=body, headers=headers)
+            err = _assert_openai_error(resp, 401, None)
+            assert err["code"] == "invalid_api_key" and resp.headers["www-authenticate"] == "Bearer"
+        assert http.get("/v1/models").status_code == 401
+        ok = http.post(C, json=body, headers={"Authorization": "Bearer sekret"})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+        for open_path in ("/health", "/metrics", "/stats"):  # probes and dashboards carry no key
+            assert http.get(open_path).status_code == 200
+        assert srv.wait_pool_full(10)
+
+
+def test_server_survives_and_pool_is_full(http, server):
+    """Runs last in this module: after every hostile request above, all is well."""
+    assert http.get("/health").status_code == 200
+    ok = http.post(C, json=_comp(max_tokens=3, temperature=0))
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+    assert server.wait_pool_full(10), server.state.engine.stats()
+    assert server.engine.block_manager.num_free_blocks == server.engine.num_blocks
+    assert not server.engine.requests
