@@ -47,6 +47,17 @@ def test_greedy_equals_argmax_of_raw_logits() -> None:
     assert out.token_ids[3] == 17
 
 
+def test_greedy_on_bf16_logits_equals_fp32_argmax() -> None:
+    """bf16 logits (a bf16 model) are not upcast for greedy rows; ties are frequent in bf16."""
+    torch.manual_seed(1)
+    logits = (torch.randn(16, 262144) * 3).bfloat16()
+    logits[:, 100] = logits[:, 200] = logits.max()  # a tie at the top of every row
+    out = Sampler([EOS])(logits, [req(greedy()) for _ in range(16)])
+    assert out.token_ids == logits.float().argmax(-1).tolist() == [100] * 16
+    mixed = Sampler([EOS])(logits, [req(greedy(logprobs=2))] + [req(greedy()) for _ in range(15)])
+    assert mixed.token_ids == out.token_ids and mixed.logprobs[0] is not None
+
+
 def test_logprobs_are_raw_log_softmax() -> None:
     torch.manual_seed(1)
     logits = torch.randn(3, 300) * 3

@@ -65,9 +65,8 @@ def paged_attention_lib() -> ctypes.CDLL | None:
         log.warning("C kernels unavailable, using the torch path: %s", e)
         return None
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    for fn in (lib.paged_decode_f32, lib.paged_decode_bf16):
-        fn.argtypes = [p, p, p, p, p, p, p, i, i, i, i, i, i, i, f, i]
-        fn.restype = ctypes.c_int
+    lib.paged_decode.argtypes = [p, p, p, p, p, p, p, i, i, i, i, i, i, i, f, i, i]
+    lib.paged_decode.restype = ctypes.c_int
     return lib
 
 
@@ -93,9 +92,9 @@ def paged_decode_attention(q, k_pool, v_pool, tables, starts, lens, block_size: 
     # Few sequences: cut each context into ranges so every thread has work (>= 128 positions each).
     splits = max(1, min(-(-4 * threads // (B * kvh)), max_len // 128))
     out = torch.empty_like(q)
-    fn = lib.paged_decode_f32 if q.dtype == torch.float32 else lib.paged_decode_bf16
-    rc = fn(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), tables.data_ptr(), starts.data_ptr(),
-            lens.data_ptr(), out.data_ptr(), B, H, kvh, D, block_size, tables.shape[1], splits, scale, threads)
+    rc = lib.paged_decode(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), tables.data_ptr(), starts.data_ptr(),
+                          lens.data_ptr(), out.data_ptr(), B, H, kvh, D, block_size, tables.shape[1], splits, scale,
+                          threads, int(q.dtype == torch.bfloat16))
     if rc != 0:
         raise MemoryError("paged attention kernel could not allocate its scratch memory")
     return out

@@ -10,17 +10,21 @@
  * decode still uses every core.
  *
  * Layouts (all contiguous):
- *   q        [B, H, D]            fp32 or bf16
+ *   q        [B, H, D]            fp32 or bf16 (dtype: 0 = fp32, 1 = bf16)
  *   k, v     [slots, KVH, D]      same dtype; slot = block_table[p / bs] * bs + p % bs
  *   tables   [B, max_blocks]      int32
  *   starts   [B], lens [B]        int32: sequence b attends positions [starts[b], lens[b])
  *   out      [B, H, D]            same dtype as q
- * Arithmetic is fp32 throughout.
+ * Arithmetic is fp32 throughout (bf16 products are exact in fp32).
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_DPBF16 1
+#endif
 
 static inline float bf16_to_f32(uint16_t x) {
     union { uint32_t u; float f; } c = {.u = (uint32_t)x << 16}; /* bf16 is the top half of fp32 */
@@ -28,129 +32,178 @@ static inline float bf16_to_f32(uint16_t x) {
 }
 
 static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
+    union { float f; uint32_t u; } c = {.f = f};
+    uint32_t u = c.u;
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
     u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even, as torch does */
     return (uint16_t)(u >> 16);
 }
 
-/* One task's partial result for G heads: max score, sum of exp, unnormalised output [G, D]. */
+/* One K or V row as fp32: bf16 rows are widened into `row` (then in L1 for all G heads); fp32
+ * rows are used in place. */
+static inline const float *load_row(const void *base, int64_t offset, int bf16, int D, float *restrict row) {
+    if (!bf16) return (const float *)base + offset;
+    const uint16_t *src = (const uint16_t *)base + offset;
+#pragma omp simd
+    for (int d = 0; d < D; d++) row[d] = bf16_to_f32(src[d]);
+    return row;
+}
+
+static inline float dot(const float *restrict a, const float *restrict b, int D) {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int d = 0; d < D; d++) s += a[d] * b[d];
+    return s;
+}
+
+#ifdef HAVE_DPBF16
+/* bf16 . bf16 with the AVX512-BF16 pair dot product: exact products, fp32 sums, no widening.
+ * D must be a multiple of 32. */
+static inline float dot_bf16(const uint16_t *a, const uint16_t *b, int D) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 32)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(a + d), (__m512bh)_mm512_loadu_si512(b + d));
+    return _mm512_reduce_add_ps(acc);
+}
+#endif
+
 typedef struct {
-    float *m, *l, *acc;
+    float *m, *l, *acc; /* per head: max score, sum of exp, unnormalised output [G, D] */
 } Partial;
 
-/* Each K or V row is widened to fp32 once (into `row`, which stays in L1) and then used by all
- * G query heads, instead of being converted G times inside the dot products. */
-#define DEFINE_RANGE(NAME, T, LOAD)                                                                  \
-    static void NAME(const float *qh, const T *k, const T *v, const int32_t *table, int bs, int kvh,   \
-                     int KVH, int D, int G, int p0, int p1, float *scores, Partial part) {             \
-        float row[D];                                                                                  \
-        const int n = p1 - p0;                                                                         \
-        /* pass 1: scores[g, p] = q_g . k_p, and the max per head */                                   \
-        for (int g = 0; g < G; g++) part.m[g] = -INFINITY;                                             \
-        for (int p = p0; p < p1; p++) {                                                                \
-            const T *kr = k + ((int64_t)table[p / bs] * bs + p % bs) * KVH * D + (int64_t)kvh * D;     \
-            _Pragma("omp simd") for (int d = 0; d < D; d++) row[d] = LOAD(kr[d]);                      \
-            for (int g = 0; g < G; g++) {                                                              \
-                const float *qg = qh + (int64_t)g * D;                                                 \
-                float s = 0.f;                                                                         \
-                _Pragma("omp simd reduction(+ : s)") for (int d = 0; d < D; d++) s += qg[d] * row[d];  \
-                scores[(int64_t)g * n + (p - p0)] = s;                                                 \
-                if (s > part.m[g]) part.m[g] = s;                                                      \
-            }                                                                                          \
-        }                                                                                              \
-        /* exp and sum per head, then the weighted sum of V rows */                                    \
-        for (int g = 0; g < G; g++) {                                                                  \
-            float *sg = scores + (int64_t)g * n, l = 0.f;                                              \
-            for (int i = 0; i < n; i++) { sg[i] = expf(sg[i] - part.m[g]); l += sg[i]; }               \
-            part.l[g] = l;                                                                             \
-        }                                                                                              \
-        memset(part.acc, 0, sizeof(float) * G * D);                                                    \
-        for (int p = p0; p < p1; p++) {                                                                \
-            const T *vr = v + ((int64_t)table[p / bs] * bs + p % bs) * KVH * D + (int64_t)kvh * D;     \
-            _Pragma("omp simd") for (int d = 0; d < D; d++) row[d] = LOAD(vr[d]);                      \
-            for (int g = 0; g < G; g++) {                                                              \
-                const float w = scores[(int64_t)g * n + (p - p0)];                                     \
-                float *ag = part.acc + (int64_t)g * D;                                                 \
-                _Pragma("omp simd") for (int d = 0; d < D; d++) ag[d] += w * row[d];                   \
-            }                                                                                          \
-        }                                                                                              \
+typedef struct {
+    const void *q, *k, *v;
+    const int32_t *tables, *starts, *lens;
+    void *out;
+    int B, H, KVH, D, bs, max_blocks, splits, bf16;
+    float scale;
+} Args;
+
+static inline int64_t slot_offset(const Args *a, const int32_t *table, int p, int kvh) {
+    return ((int64_t)table[p / a->bs] * a->bs + p % a->bs) * a->KVH * a->D + (int64_t)kvh * a->D;
+}
+
+/* Positions [p0, p1) of sequence b against KV head kvh: fills `part`. scores: [G, p1 - p0]. */
+static void attend_range(const Args *a, int b, int kvh, int p0, int p1, float *scores, Partial part) {
+    const int G = a->H / a->KVH, D = a->D, n = p1 - p0;
+    const int32_t *table = a->tables + (int64_t)b * a->max_blocks;
+    const int64_t q0 = ((int64_t)b * a->H + (int64_t)kvh * G) * D; /* this task's G query rows */
+    float qh[G * D], row[D];
+    for (int i = 0; i < G * D; i++)
+        qh[i] = a->bf16 ? bf16_to_f32(((const uint16_t *)a->q)[q0 + i]) : ((const float *)a->q)[q0 + i];
+#ifdef HAVE_DPBF16
+    const int use_dp = a->bf16 && D % 32 == 0;
+#else
+    const int use_dp = 0;
+#endif
+    /* pass 1: scores and the max per head */
+    for (int g = 0; g < G; g++) part.m[g] = -INFINITY;
+    for (int p = p0; p < p1; p++) {
+        const int64_t off = slot_offset(a, table, p, kvh);
+        const float *kr = use_dp ? NULL : load_row(a->k, off, a->bf16, D, row);
+        for (int g = 0; g < G; g++) {
+            float s;
+#ifdef HAVE_DPBF16
+            if (use_dp)
+                s = dot_bf16((const uint16_t *)a->q + q0 + (int64_t)g * D, (const uint16_t *)a->k + off, D);
+            else
+#endif
+                s = dot(qh + (int64_t)g * D, kr, D);
+            s *= a->scale;
+            scores[(int64_t)g * n + (p - p0)] = s;
+            if (s > part.m[g]) part.m[g] = s;
+        }
     }
-
-#define IDENT(x) (x)
-DEFINE_RANGE(range_f32, float, IDENT)
-DEFINE_RANGE(range_bf16, uint16_t, bf16_to_f32)
-
-#define DEFINE_KERNEL(NAME, T, RANGE, LOAD, STORE)                                                     \
-    int NAME(const T *q, const T *k, const T *v, const int32_t *tables, const int32_t *starts,          \
-             const int32_t *lens, T *out, int B, int H, int KVH, int D, int bs, int max_blocks,         \
-             int splits, float scale, int num_threads) {                                                \
-        const int G = H / KVH;                                                                          \
-        const int ntasks = B * KVH * splits;                                                            \
-        /* per task: m[G], l[G], acc[G*D]; merged per (b, kvh) afterwards */                           \
-        float *parts = malloc(sizeof(float) * (size_t)ntasks * G * (D + 2));                            \
-        if (!parts) return -1;                                                                          \
-        int failed = 0;                                                                                 \
-        int64_t work = 0; /* K/V elements read: a parallel region only pays for itself above ~1e5 */   \
-        for (int b = 0; b < B; b++) work += (int64_t)(lens[b] - starts[b]) * KVH * D;                   \
-        if (work < 100000) num_threads = 1;                                                             \
-        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")                      \
-        for (int t = 0; t < ntasks; t++) {                                                              \
-            const int b = t / (KVH * splits), kvh = (t / splits) % KVH, s = t % splits;                 \
-            const int start = starts[b], len = lens[b];                                                 \
-            const int span = (len - start + splits - 1) / splits;                                       \
-            const int p0 = start + s * span, p1 = p0 + span < len ? p0 + span : len;                    \
-            float *base = parts + (size_t)t * G * (D + 2);                                              \
-            Partial part = {base, base + G, base + 2 * G};                                              \
-            if (p0 >= p1) { /* an empty split contributes nothing */                                   \
-                for (int g = 0; g < G; g++) { part.m[g] = -INFINITY; part.l[g] = 0.f; }                 \
-                memset(part.acc, 0, sizeof(float) * G * D);                                             \
-                continue;                                                                               \
-            }                                                                                           \
-            float qh[G * D];                                                                            \
-            for (int g = 0; g < G; g++)                                                                 \
-                for (int d = 0; d < D; d++)                                                             \
-                    qh[g * D + d] = LOAD(q[((int64_t)b * H + kvh * G + g) * D + d]) * scale;            \
-            float *scores = malloc(sizeof(float) * (size_t)G * (p1 - p0));                              \
-            if (!scores) { failed = 1; continue; }                                                      \
-            RANGE(qh, k, v, tables + (int64_t)b * max_blocks, bs, kvh, KVH, D, G, p0, p1, scores, part); \
-            free(scores);                                                                               \
-            if (splits == 1) { /* the whole context in one task: normalise and store now */            \
-                for (int g = 0; g < G; g++) {                                                           \
-                    T *dst = out + ((int64_t)b * H + kvh * G + g) * D;                                  \
-                    for (int d = 0; d < D; d++) dst[d] = STORE(part.acc[g * D + d] / part.l[g]);        \
-                }                                                                                       \
-            }                                                                                           \
-        }                                                                                               \
-        if (failed) { free(parts); return -1; }                                                         \
-        if (splits == 1) { free(parts); return 0; }                                                     \
-        /* merge the splits of each (b, kvh, g): rescale each by exp(m_s - m) */                       \
-        for (int bk = 0; bk < B * KVH; bk++) {                                                          \
-            const int b = bk / KVH, kvh = bk % KVH;                                                     \
-            for (int g = 0; g < G; g++) {                                                               \
-                float m = -INFINITY, l = 0.f;                                                           \
-                for (int s = 0; s < splits; s++) {                                                      \
-                    float ms = parts[((size_t)bk * splits + s) * G * (D + 2) + g];                      \
-                    if (ms > m) m = ms;                                                                 \
-                }                                                                                       \
-                float o[D];                                                                             \
-                memset(o, 0, sizeof o);                                                                 \
-                for (int s = 0; s < splits; s++) {                                                      \
-                    const float *base = parts + ((size_t)bk * splits + s) * G * (D + 2);                \
-                    if (base[G + g] == 0.f) continue;                                                   \
-                    float c = expf(base[g] - m);                                                        \
-                    l += c * base[G + g];                                                               \
-                    const float *a = base + 2 * G + (size_t)g * D;                                      \
-                    for (int d = 0; d < D; d++) o[d] += c * a[d];                                       \
-                }                                                                                       \
-                T *dst = out + ((int64_t)b * H + kvh * G + g) * D;                                      \
-                for (int d = 0; d < D; d++) dst[d] = STORE(o[d] / l);                                   \
-            }                                                                                           \
-        }                                                                                               \
-        free(parts);                                                                                    \
-        return 0;                                                                                       \
+    /* exp and sum per head */
+    for (int g = 0; g < G; g++) {
+        float *sg = scores + (int64_t)g * n, l = 0.f;
+        for (int i = 0; i < n; i++) {
+            sg[i] = expf(sg[i] - part.m[g]);
+            l += sg[i];
+        }
+        part.l[g] = l;
     }
+    /* pass 2: the weighted sum of V rows */
+    memset(part.acc, 0, sizeof(float) * G * D);
+    for (int p = p0; p < p1; p++) {
+        const float *vr = load_row(a->v, slot_offset(a, table, p, kvh), a->bf16, D, row);
+        for (int g = 0; g < G; g++) {
+            const float w = scores[(int64_t)g * n + (p - p0)];
+            float *restrict ag = part.acc + (int64_t)g * D;
+#pragma omp simd
+            for (int d = 0; d < D; d++) ag[d] += w * vr[d];
+        }
+    }
+}
 
-DEFINE_KERNEL(paged_decode_f32, float, range_f32, IDENT, IDENT)
-DEFINE_KERNEL(paged_decode_bf16, uint16_t, range_bf16, bf16_to_f32, f32_to_bf16)
+static inline void store(const Args *a, int64_t index, const float *o, float inv_l) {
+    if (a->bf16) {
+        uint16_t *dst = (uint16_t *)a->out + index;
+        for (int d = 0; d < a->D; d++) dst[d] = f32_to_bf16(o[d] * inv_l);
+    } else {
+        float *dst = (float *)a->out + index;
+        for (int d = 0; d < a->D; d++) dst[d] = o[d] * inv_l;
+    }
+}
+
+int paged_decode(const void *q, const void *k, const void *v, const int32_t *tables, const int32_t *starts,
+                 const int32_t *lens, void *out, int B, int H, int KVH, int D, int bs, int max_blocks, int splits,
+                 float scale, int num_threads, int bf16) {
+    const Args a = {q, k, v, tables, starts, lens, out, B, H, KVH, D, bs, max_blocks, splits, bf16, scale};
+    const int G = H / KVH, ntasks = B * KVH * splits;
+    const size_t part_floats = (size_t)G * (D + 2);
+    float *parts = malloc(sizeof(float) * (size_t)ntasks * part_floats);
+    if (!parts) return -1;
+    int64_t work = 0; /* K/V elements read: a parallel region only pays for itself above ~1e5 */
+    for (int b = 0; b < B; b++) work += (int64_t)(lens[b] - starts[b]) * KVH * D;
+    if (work < 100000) num_threads = 1;
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int t = 0; t < ntasks; t++) {
+        const int b = t / (KVH * splits), kvh = (t / splits) % KVH, s = t % splits;
+        const int span = (lens[b] - starts[b] + splits - 1) / splits;
+        const int p0 = starts[b] + s * span, p1 = p0 + span < lens[b] ? p0 + span : lens[b];
+        float *base = parts + (size_t)t * part_floats;
+        Partial part = {base, base + G, base + 2 * G};
+        if (p0 >= p1) { /* an empty split contributes nothing */
+            for (int g = 0; g < G; g++) part.m[g] = -INFINITY, part.l[g] = 0.f;
+            continue;
+        }
+        float *scores = malloc(sizeof(float) * (size_t)G * (p1 - p0));
+        if (!scores) {
+            failed = 1;
+            continue;
+        }
+        attend_range(&a, b, kvh, p0, p1, scores, part);
+        free(scores);
+        if (splits == 1) /* the whole context in one task: normalise and store now */
+            for (int g = 0; g < G; g++)
+                store(&a, ((int64_t)b * H + kvh * G + g) * D, part.acc + (size_t)g * D, 1.f / part.l[g]);
+    }
+    if (!failed && splits > 1) {
+        /* merge the splits of each (b, kvh, g): rescale each by exp(m_s - m) */
+        float o[D];
+        for (int bk = 0; bk < B * KVH; bk++) {
+            const int b = bk / KVH, kvh = bk % KVH;
+            for (int g = 0; g < G; g++) {
+                float m = -INFINITY, l = 0.f;
+                for (int s = 0; s < splits; s++) {
+                    const float ms = parts[((size_t)bk * splits + s) * part_floats + g];
+                    if (ms > m) m = ms;
+                }
+                memset(o, 0, sizeof o);
+                for (int s = 0; s < splits; s++) {
+                    const float *base = parts + ((size_t)bk * splits + s) * part_floats;
+                    if (base[G + g] == 0.f) continue;
+                    const float c = expf(base[g] - m);
+                    l += c * base[G + g];
+                    const float *acc = base + 2 * G + (size_t)g * D;
+                    for (int d = 0; d < D; d++) o[d] += c * acc[d];
+                }
+                store(&a, ((int64_t)b * H + kvh * G + g) * D, o, 1.f / l);
+            }
+        }
+    }
+    free(parts);
+    return failed ? -1 : 0;
+}

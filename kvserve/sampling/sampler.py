@@ -214,7 +214,10 @@ class Sampler:
             )
         if all(_plain_greedy(r) for r in requests):  # the common case: no fp32 copy of [N, V]
             n = len(requests)
-            return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(), logprobs=[None] * n, top_logprobs=[None] * n)
+            # max(dim).indices, not argmax: same first-index tie rule, but torch's CPU argmax
+            # over bf16 is ~6x slower than max (27 vs 4.7 ms for [64, 262144] here).
+            tokens = logits.max(dim=-1).indices.tolist()
+            return SamplerOutput(token_ids=tokens, logprobs=[None] * n, top_logprobs=[None] * n)
         raw = logits.float()
         processed = apply_penalties(raw, requests, self.eos_token_ids)
         tokens = self._select(processed, requests)
