@@ -75,6 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--hf-batch-sizes", type=_int_list, default=[], help="comma list; empty = skip HF")
     tp.add_argument("--plot", default=None, help="PNG of throughput vs --max-num-seqs")
     tp.add_argument("--json", default=None)
+    lt = bench.add_parser("latency", help="one request: TTFT, prefill tok/s, batch-1 decode tok/s vs the bandwidth bound")
+    lt.add_argument("--model", default=None)
+    lt.add_argument("--dtype", default="float32")
+    lt.add_argument("--input-len", type=_positive, default=512, help="prompt tokens (fresh random ids)")
+    lt.add_argument("--output-len", type=_positive, default=128, help="new tokens (ignore_eos)")
+    lt.add_argument("--repeats", type=_positive, default=3, help="runs; medians are reported")
+    lt.add_argument("--seed", type=int, default=0)
+    lt.add_argument("--json", default=None)
     pf = bench.add_parser("prefix", help="requests sharing a system prompt, prefix cache on vs off")
     pf.add_argument("--model", default=None)
     pf.add_argument("--dtype", default="float32")
@@ -129,6 +137,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
             if lo > hi:
                 raise ValueError(f"--{name.replace('_', '-')}: MIN {lo} > MAX {hi}")
         return throughput(args)
+    if args.bench == "latency":
+        from kvserve.bench.latency import main as latency
+
+        if args.output_len < 2:
+            raise ValueError("--output-len: at least 2 tokens are needed to time decode")
+        return latency(args)
     if args.bench == "prefix":
         from kvserve.bench.prefix import main as prefix
 

@@ -1,0 +1,128 @@
+"""`kvserve bench latency`: one request at a time: prefill tok/s and TTFT on a fresh prompt,
+batch-1 decode tok/s, and how close decode runs to the memory-bandwidth bound.
+
+Batch-1 decode reads every weight once per token (the tied LM head included) plus the KV cache
+of the context, so its bound is bandwidth / bytes-per-token. The bandwidth is measured here, on
+this machine, by a reduction over a 1 GiB tensor (what a GEMV streaming weights can reach).
+Every prompt is new (random token ids, prefix cache off), so prefill is really computed.
+"""
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class LatencyResult:
+    dtype: str
+    input_len: int
+    output_len: int
+    ttft_s: float  # median, prompt of input_len tokens (tokenization excluded: ids are given)
+    prefill_tok_s: float  # input_len / TTFT
+    decode_tok_s: float  # median of (n - 1) / (last token time - first token time)
+    bytes_per_token: int  # weights + KV read by one decode step at the mean context length
+    bandwidth_gbs: float  # measured read bandwidth
+    bound_tok_s: float  # bandwidth / bytes_per_token
+    fraction_of_bound: float  # decode_tok_s / bound_tok_s
+    runs: list[dict]
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every distinct parameter tensor (a tied LM head counts once)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def decode_bytes_per_token(loaded, context_len: int) -> int:
+    """Bytes one batch-1 decode step must read: all weights, plus K/V of the context (a
+    sliding-window layer reads at most its window)."""
+    cfg = loaded.config
+    elem = next(loaded.model.parameters()).element_size()
+    per_layer = 2 * cfg.num_kv_heads * cfg.head_dim * elem
+    kv = sum(per_layer * min(context_len, cfg.window(i) or context_len) for i in range(cfg.num_layers))
+    return weight_bytes(loaded.model) + kv
+
+
+def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:
+    """Median read bandwidth (GB/s) of a sum over a `gib` GiB fp32 tensor."""
+    x = torch.ones(int(gib * 2**30 // 4))
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t)
+    return x.numel() * 4 / statistics.median(times) / 1e9
+
+
+def _prompt(rng: random.Random, n: int, vocab: int, bos: int | None) -> list[int]:
+    hi = min(vocab, 200_000) - 1  # ordinary tokens (Gemma's top ids are special/unused)
+    ids = [rng.randint(3 if vocab > 1000 else 0, hi) for _ in range(n)]
+    if bos is not None:
+        ids[0] = bos
+    return ids
+
+
+def measure(loaded, input_len: int, output_len: int, repeats: int, seed: int = 0,
+            bandwidth_gib: float = 1.0) -> LatencyResult:
+    from kvserve import LLM, SamplingParams
+
+    cfg = loaded.config
+    llm = LLM(loaded=loaded, enable_prefix_caching=False, max_num_seqs=1,
+              max_model_len=min(cfg.max_position_embeddings, input_len + output_len + 16))
+    rng = random.Random(seed)
+    warm = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    llm.generate(_prompt(rng, min(input_len, 16), cfg.vocab_size, cfg.bos_token_id), warm)
+    runs = []
+    for _ in range(repeats):
+        ids = _prompt(rng, input_len, cfg.vocab_size, cfg.bos_token_id)
+        out = llm.generate(ids, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))[0]
+        m = out.metrics
+        t = m.token_times
+        decode = (len(t) - 1) / (t[-1] - t[0]) if len(t) > 1 and t[-1] > t[0] else float("nan")
+        runs.append({"ttft_s": m.ttft, "prefill_tok_s": input_len / m.ttft, "decode_tok_s": decode})
+    ttft = statistics.median(r["ttft_s"] for r in runs)
+    decode = statistics.median(r["decode_tok_s"] for r in runs)
+    bpt = decode_bytes_per_token(loaded, input_len + output_len // 2)
+    bw = read_bandwidth_gbs(bandwidth_gib)
+    bound = bw * 1e9 / bpt
+    dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
+    return LatencyResult(dtype, input_len, output_len, ttft, input_len / ttft, decode, bpt, bw, bound,
+                         decode / bound, runs)
+
+
+def print_result(r: LatencyResult) -> None:
+    print(f"\n{r.dtype}, prompt {r.input_len} tokens, {r.output_len} new tokens, median of {len(r.runs)}")
+    print("| metric | value |")
+    print("|---|---|")
+    print(f"| TTFT ({r.input_len}-token prompt) | {r.ttft_s * 1e3:.1f} ms |")
+    print(f"| prefill | {r.prefill_tok_s:.1f} tok/s |")
+    print(f"| batch-1 decode | {r.decode_tok_s:.2f} tok/s |")
+    print(f"| bytes read per decode token | {r.bytes_per_token / 1e6:.1f} MB |")
+    print(f"| measured read bandwidth | {r.bandwidth_gbs:.1f} GB/s |")
+    print(f"| bandwidth bound | {r.bound_tok_s:.1f} tok/s |")
+    print(f"| achieved fraction of the bound | {r.fraction_of_bound:.0%} |")
+
+
+def main(args) -> int:
+    from kvserve.loading import load_model
+
+    loaded = load_model(args.model, args.dtype)
+    result = measure(loaded, args.input_len, args.output_len, args.repeats, args.seed)
+    print_result(result)
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(result), indent=1))
+        print(f"wrote {path}")
+    return 0

@@ -1,0 +1,52 @@
+"""`kvserve bench latency` on a tiny random model: the numbers it prints are measured, and the
+bytes-per-token behind its bandwidth bound are counted right."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvserve.bench.latency import decode_bytes_per_token, weight_bytes
+from kvserve.cli import main
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma(tmp_path_factory):
+    from tests.tiny_models import make_model
+
+    folder = tmp_path_factory.mktemp("tiny-gemma3-latency")
+    make_model("gemma3", folder)  # sliding window 8 on 4 of 6 layers
+    return folder
+
+
+def test_bytes_per_token_counts_weights_once_and_windowed_kv(tiny_gemma):
+    from kvserve.loading import load_model
+
+    loaded = load_model(tiny_gemma)
+    cfg = loaded.config
+    params = {p.data_ptr(): p.numel() * 4 for p in loaded.model.parameters()}
+    assert weight_bytes(loaded.model) == sum(params.values())
+    per_layer_token = 2 * cfg.num_kv_heads * cfg.head_dim * 4
+    # context 100: 4 sliding layers read 8 positions, 2 full layers read 100.
+    expected_kv = per_layer_token * (4 * 8 + 2 * 100)
+    assert decode_bytes_per_token(loaded, 100) == sum(params.values()) + expected_kv
+
+
+def test_bench_latency_cli(tiny_gemma, tmp_path, capsys):
+    out = tmp_path / "latency.json"
+    rc = main(["bench", "latency", "--model", str(tiny_gemma), "--input-len", "40", "--output-len", "8",
+               "--repeats", "2", "--json", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "batch-1 decode" in text and "achieved fraction of the bound" in text
+    data = json.loads(out.read_text())
+    assert len(data["runs"]) == 2 and data["input_len"] == 40
+    assert data["prefill_tok_s"] > 0 and data["decode_tok_s"] > 0 and data["ttft_s"] > 0
+    assert data["bound_tok_s"] == pytest.approx(data["bandwidth_gbs"] * 1e9 / data["bytes_per_token"])
+    assert data["fraction_of_bound"] == pytest.approx(data["decode_tok_s"] / data["bound_tok_s"])
+
+
+def test_bench_latency_rejects_one_output_token(capsys):
+    assert main(["bench", "latency", "--output-len", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvserve: error:") and "--output-len" in err
