@@ -12,6 +12,8 @@ from typing import Callable
 
 import torch
 
+from kvserve.bench.latency import read_bandwidth_gbs  # noqa: F401  (re-exported for the scripts)
+
 ROOT = Path(__file__).resolve().parents[1]
 WIKITEXT = ROOT.parent / "shared" / "data" / "wikitext2"
 
@@ -24,15 +26,6 @@ def timed(fn: Callable[[], object]) -> float:
 
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
-
-
-def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:
-    """Median read bandwidth (GB/s) of a reduction over a `gib` GiB fp32 tensor: what a
-    memory-bound GEMV is limited by."""
-    x = torch.ones(int(gib * 2**30 // 4))
-    x.sum()
-    times = [timed(x.sum) for _ in range(repeats)]
-    return x.numel() * 4 / median(times) / 1e9
 
 
 def machine() -> str:

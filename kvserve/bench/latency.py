@@ -9,7 +9,6 @@ Every prompt is new (random token ids, prefix cache off), so prefill is really c
 from __future__ import annotations
 
 import json
-import random
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -65,31 +64,22 @@ def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:
     return x.numel() * 4 / statistics.median(times) / 1e9
 
 
-def _prompt(rng: random.Random, n: int, vocab: int, bos: int | None) -> list[int]:
-    hi = min(vocab, 200_000) - 1  # ordinary tokens (Gemma's top ids are special/unused)
-    ids = [rng.randint(3 if vocab > 1000 else 0, hi) for _ in range(n)]
-    if bos is not None:
-        ids[0] = bos
-    return ids
-
-
 def measure(loaded, input_len: int, output_len: int, repeats: int, seed: int = 0,
             bandwidth_gib: float = 1.0) -> LatencyResult:
     from kvserve import LLM, SamplingParams
+    from kvserve.bench.throughput import make_workload
 
     cfg = loaded.config
     llm = LLM(loaded=loaded, enable_prefix_caching=False, max_num_seqs=1,
               max_model_len=min(cfg.max_position_embeddings, input_len + output_len + 16))
-    rng = random.Random(seed)
-    warm = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-    llm.generate(_prompt(rng, min(input_len, 16), cfg.vocab_size, cfg.bos_token_id), warm)
+    # repeats + 1 distinct prompts (the first warms up), the throughput benchmark's token ids.
+    prompts = make_workload(repeats + 1, (input_len, input_len), (1, 1), cfg.vocab_size, cfg.bos_token_id, seed).prompts
+    llm.generate(prompts[0][:16], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     runs = []
-    for _ in range(repeats):
-        ids = _prompt(rng, input_len, cfg.vocab_size, cfg.bos_token_id)
+    for ids in prompts[1:]:
         out = llm.generate(ids, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))[0]
         m = out.metrics
-        t = m.token_times
-        decode = (len(t) - 1) / (t[-1] - t[0]) if len(t) > 1 and t[-1] > t[0] else float("nan")
+        decode = 1 / m.tpot if m.tpot else float("nan")  # tpot: mean gap between output tokens
         runs.append({"ttft_s": m.ttft, "prefill_tok_s": input_len / m.ttft, "decode_tok_s": decode})
     ttft = statistics.median(r["ttft_s"] for r in runs)
     decode = statistics.median(r["decode_tok_s"] for r in runs)

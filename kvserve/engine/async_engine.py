@@ -71,7 +71,6 @@ class _Add:
     stream: _Stream
     prompt: str | list[int]
     params: SamplingParams
-    arrival_time: float
 
 
 @dataclass
@@ -219,7 +218,7 @@ class AsyncLLMEngine:
             if self._stopping:
                 raise RequestError("the engine is shutting down", 503)
             self._streams[request_id] = stream
-            self._commands.append(_Add(stream, prompt, params, stream.arrival_time))
+            self._commands.append(_Add(stream, prompt, params))
             self._num_pending_adds += 1
             self._cv.notify()
         return RequestStream(self, stream)
@@ -288,7 +287,7 @@ class AsyncLLMEngine:
             self._forget(s.request_id)
             return
         try:
-            self.engine.add_request(cmd.prompt, cmd.params, s.request_id, arrival_time=cmd.arrival_time)
+            self.engine.add_request(cmd.prompt, cmd.params, s.request_id, arrival_time=s.arrival_time)
         except ValueError as e:
             self._fail(s, RequestError(str(e), 400))
         except Exception as e:  # a bug, not bad input: say so, keep serving
@@ -296,12 +295,7 @@ class AsyncLLMEngine:
             self._fail(s, RequestError(f"engine error while adding the request: {type(e).__name__}: {e}", 500))
 
     def _abort(self, request_id: str, notify: bool) -> None:
-        try:
-            self.engine.abort(request_id)
-        except Exception:
-            log.exception("abort %s failed", request_id)
-        with self._cv:
-            stream = self._streams.get(request_id)
+        stream = self._engine_abort(request_id, "abort %s failed")
         if stream is None:
             return
         if notify and not stream.cancelled:
@@ -317,8 +311,7 @@ class AsyncLLMEngine:
             return
         self._consecutive_failures = 0
         for out in outputs:
-            with self._cv:
-                stream = self._streams.get(out.request_id)
+            stream = self._stream_of(out.request_id)
             if stream is None:
                 continue  # aborted while the step ran
             if out.error is not None:
@@ -336,12 +329,7 @@ class AsyncLLMEngine:
         victims = running if running and self._consecutive_failures == 1 else set(self.engine.requests)
         error = RequestError(f"engine error: {type(exc).__name__}: {exc}", 500)
         for rid in victims:
-            try:
-                self.engine.abort(rid)
-            except Exception:
-                log.exception("abort %s after a failed step failed", rid)
-            with self._cv:
-                stream = self._streams.get(rid)
+            stream = self._engine_abort(rid, "abort %s after a failed step failed")
             if stream is not None:
                 self._fail(stream, error)
 
@@ -352,6 +340,18 @@ class AsyncLLMEngine:
             leftovers = list(self._streams.values())
         for stream in leftovers:  # submitted but never added
             self._fail(stream, RequestError("the engine shut down", 503))
+
+    def _engine_abort(self, request_id: str, failure_msg: str) -> _Stream | None:
+        """Abort in the LLMEngine (a failure is logged, not raised); the request's stream, if any."""
+        try:
+            self.engine.abort(request_id)
+        except Exception:
+            log.exception(failure_msg, request_id)
+        return self._stream_of(request_id)
+
+    def _stream_of(self, request_id: str) -> _Stream | None:
+        with self._cv:
+            return self._streams.get(request_id)
 
     # ---------------------------------------------------------------- delivery
     def _deliver(self, stream: _Stream, out: RequestOutput) -> None:

@@ -18,6 +18,8 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
+import torch
+
 log = logging.getLogger(__name__)
 
 _SRC = Path(__file__).with_name("paged_attention.c")
@@ -78,12 +80,12 @@ def paged_decode_attention(q, k_pool, v_pool, tables, starts, lens, block_size: 
     q [B, H, D]; k_pool, v_pool [slots, KVH, D]; tables [B, max_blocks] int32; starts, lens [B]
     int32 (sequence b attends positions [starts[b], lens[b])); max_len = max(lens). -> [B, H, D].
     """
-    import torch
-
-    lib = paged_attention_lib()
-    if lib is None or q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16):
+    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16) or k_pool.dtype != q.dtype:
+        return None  # checked first: a CUDA run never compiles the CPU kernel
+    if not (k_pool.is_contiguous() and v_pool.is_contiguous()):
         return None
-    if k_pool.dtype != q.dtype or not (k_pool.is_contiguous() and v_pool.is_contiguous()):
+    lib = paged_attention_lib()
+    if lib is None:
         return None
     q = q.contiguous()
     B, H, D = q.shape

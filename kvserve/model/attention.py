@@ -210,7 +210,7 @@ class Attention(nn.Module):
         (mask tiled G times), so GQA/MQA never materializes repeated K/V.
         """
         T, G = q.shape[0], self.num_heads // self.num_kv_heads
-        if isinstance(mask, str):  # CAUSAL: the fused kernel skips the masked half, no mask tensor
+        if mask is CAUSAL:  # the fused kernel skips the masked half, no mask tensor
             o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], is_causal=True,
                                                scale=self.scale, enable_gqa=G > 1)[0]
             return o.transpose(0, 1)

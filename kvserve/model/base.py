@@ -60,7 +60,8 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab], fp32 unless upcast=False (then the model's
-        dtype: a greedy-only bf16 batch takes its argmax without a 1 GB/s-scale fp32 copy)."""
+        dtype: a greedy-only bf16 batch picks its tokens without the ~20 ms fp32 copy of
+        [64, 262144] logits; the sampler upcasts when it needs to)."""
         logits = torch.nn.functional.linear(hidden, self.lm_head_weight)
         cap = self.config.final_logit_softcapping
         if cap:

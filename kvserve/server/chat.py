@@ -6,8 +6,7 @@ final chunk with the finish_reason.
 """
 from __future__ import annotations
 
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 from starlette.requests import Request
@@ -15,25 +14,20 @@ from starlette.responses import Response
 
 from kvserve.engine.async_engine import RequestError, RequestStream
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
-from kvserve.sampling_params import SamplingParams
 from kvserve.server.chat_template import ChatTemplateError
 from kvserve.server.errors import APIError, error_body, from_request_error
 from kvserve.server.logprobs import chat_logprobs, delta_logprobs
 from kvserve.server.params import check_context, sampling_params
 from kvserve.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                                     ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, Delta, Usage, now)
-from kvserve.server.state import ServerState
+                                     ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, Delta, Usage)
+from kvserve.server.state import Job, ServerState
 from kvserve.server.streams import DONE, SSEResponse, sse, unless_disconnected
 
 
 @dataclass
-class _Job:
-    state: ServerState
+class _Job(Job):
+    id_prefix = "chatcmpl"
     req: ChatCompletionRequest
-    params: SamplingParams
-    arrival_time: float
-    id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
-    created: int = field(default_factory=now)
 
     def logprobs(self, token_ids: list[int], lps: list, tops: list) -> ChatLogprobs | None:
         if not self.req.logprobs:
@@ -93,13 +87,16 @@ def _response(job: _Job, out: RequestOutput) -> ChatCompletionResponse:
     choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
                           logprobs=job.logprobs(c.token_ids, c.logprobs or [], c.top_logprobs or []),
                           finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in out.outputs]
-    usage = Usage.of(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
     return ChatCompletionResponse(id=job.id, created=job.created, model=job.state.model_name, choices=choices,
-                                  usage=usage)
+                                  usage=_usage(out))
+
+
+def _usage(out: RequestOutput) -> Usage:
+    return Usage.of(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
 
 
 async def _stream(job: _Job, stream: RequestStream) -> AsyncIterator[str]:
-    include_usage = bool(job.req.stream_options and job.req.stream_options.include_usage)
+    include_usage = job.include_usage
     started: set[int] = set()
     done: set[int] = set()
     final: RequestOutput | None = None
@@ -116,8 +113,7 @@ async def _stream(job: _Job, stream: RequestStream) -> AsyncIterator[str]:
         yield DONE
         return
     if include_usage and final is not None:
-        usage = Usage.of(len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs))
-        yield sse(_chunk(job, [], include_usage, usage))
+        yield sse(_chunk(job, [], include_usage, _usage(final)))
     yield DONE
 
 

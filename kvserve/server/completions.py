@@ -4,8 +4,7 @@ Choice indices follow OpenAI for a batch of prompts: prompt i, sample j -> i * n
 """
 from __future__ import annotations
 
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 from starlette.requests import Request
@@ -13,25 +12,18 @@ from starlette.responses import Response
 
 from kvserve.engine.async_engine import RequestError, RequestStream
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
-from kvserve.sampling_params import SamplingParams
 from kvserve.server.errors import APIError, error_body, from_request_error
 from kvserve.server.logprobs import completion_logprobs, delta_logprobs
 from kvserve.server.params import check_context, sampling_params
-from kvserve.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage, now
-from kvserve.server.state import ServerState
+from kvserve.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
+from kvserve.server.state import Job, ServerState
 from kvserve.server.streams import DONE, SSEResponse, merge, sse, unless_disconnected
 
 
 @dataclass
-class _Job:
-    """One accepted completion request: what its responses need to know."""
-
-    state: ServerState
+class _Job(Job):
+    id_prefix = "cmpl"
     req: CompletionRequest
-    params: SamplingParams
-    arrival_time: float
-    id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
-    created: int = field(default_factory=now)
 
     def choice(self, prompt_index: int, c: CompletionOutput, text: str, token_ids: list[int],
                logprobs: list, top: list, offset: int) -> CompletionChoice:
@@ -102,7 +94,7 @@ def _usage(finals: list[RequestOutput]) -> Usage:
 
 async def _stream(job: _Job, streams: list[RequestStream]) -> AsyncIterator[str]:
     req = job.req
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    include_usage = job.include_usage
     offsets: dict[int, int] = {}  # choice index -> characters streamed (logprobs text_offset)
     done: set[int] = set()
     finals: list[RequestOutput] = []

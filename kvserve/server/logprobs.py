@@ -44,17 +44,18 @@ def completion_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: li
     return result
 
 
-def _entry(tokenizer: Tokenizer, token_id: int, logprob: float | None) -> TopLogprob:
+def _entry(tokenizer: Tokenizer, token_id: int, logprob: float | None, cls: type[TopLogprob] = TopLogprob,
+           **extra) -> TopLogprob:
     text = token_text(tokenizer, token_id)
-    return TopLogprob(token=text, logprob=logprob if logprob is not None else float("-inf"),
-                      bytes=list(text.encode("utf-8")))
+    return cls(token=text, logprob=logprob if logprob is not None else float("-inf"),
+               bytes=list(text.encode("utf-8")), **extra)
 
 
 def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[float | None],
                   top: list[dict[int, float] | None], num_top: int) -> ChatLogprobs:
     content = []
     for tid, lp, alts in zip(token_ids, logprobs, top):
-        head = _entry(tokenizer, tid, lp)
         ranked = sorted((alts or {}).items(), key=lambda kv: -kv[1])[:num_top]
-        content.append(TokenLogprob(**head.model_dump(), top_logprobs=[_entry(tokenizer, t, v) for t, v in ranked]))
+        content.append(_entry(tokenizer, tid, lp, TokenLogprob,
+                              top_logprobs=[_entry(tokenizer, t, v) for t, v in ranked]))
     return ChatLogprobs(content=content)

@@ -4,13 +4,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from kvserve.engine.async_engine import AsyncLLMEngine
 from kvserve.loading.tokenizer import Tokenizer
+from kvserve.sampling_params import SamplingParams
 from kvserve.server.chat_template import ChatTemplate
 from kvserve.server.errors import APIError
 from kvserve.server.metrics import ServerMetrics
+from kvserve.server.protocol import _SamplingRequest, now
 
 log = logging.getLogger(__name__)
 
@@ -65,3 +69,23 @@ class ServerState:
             grace = time.monotonic() + 5.0  # the aborted streams send their final chunk
             while self.inflight and time.monotonic() < grace:
                 await asyncio.sleep(0.05)
+
+
+@dataclass
+class Job:
+    """One accepted API request: what its responses need to know. Subclasses set `id_prefix`."""
+
+    id_prefix: ClassVar[str]
+    state: ServerState
+    req: _SamplingRequest
+    params: SamplingParams
+    arrival_time: float
+    id: str = field(init=False)
+    created: int = field(default_factory=now)
+
+    def __post_init__(self) -> None:
+        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.req.stream_options and self.req.stream_options.include_usage)
