@@ -40,6 +40,8 @@ class FakeState:
     fail_every: int = 0  # every k-th arrival fails: HTTP 500 and 400 alternately
     midstream_error_every: int = 0  # every k-th arrival streams one chunk, then an error object
     send_usage: bool = True
+    hold_until_active: int = 0  # >0: hold first chunks until this many streams are open (or all arrived)
+    expected: int = 0  # requests the test sends; once all arrived, held streams are released
     count: int = 0
     active: int = 0
     peak: int = 0
@@ -73,6 +75,12 @@ def make_app(state: FakeState) -> FastAPI:
             if chat:
                 yield _chunk(chat, None, role=True)  # role-only chunk: no content, must not end TTFT
             slow = state.slow_every and i % state.slow_every == state.slow_every - 1
+            if state.hold_until_active:
+                # A barrier instead of a guessed delay: the peak is then exact however slow the CPU.
+                deadline = time.perf_counter() + 10.0
+                while (state.active < state.hold_until_active and state.count < state.expected
+                       and time.perf_counter() < deadline):
+                    await asyncio.sleep(0.005)
             await asyncio.sleep(state.slow_first_delay if slow else state.first_delay)
             for k in range(n):
                 if k:
@@ -227,7 +235,7 @@ def test_arrival_offsets_are_exponential_and_seeded():
 @pytest.mark.parametrize("limit", [2, 3])
 def test_max_concurrency_never_exceeded(fake, limit):
     url, state = fake
-    state.first_delay = 0.15  # long enough that the gated requests surely overlap on a busy CPU
+    state.hold_until_active, state.expected = limit, 9  # each wave is held until it is complete
     results, _ = _run(url, _requests(9, output_len=4), max_concurrency=limit)
     assert all(r.success for r in results)
     assert state.peak == limit  # all sent at once: the bound is reached, never passed
@@ -235,7 +243,7 @@ def test_max_concurrency_never_exceeded(fake, limit):
 
 def test_unbounded_concurrency_sends_all_at_once(fake):
     url, state = fake
-    state.first_delay = 0.3
+    state.hold_until_active, state.expected = 8, 8
     _run(url, _requests(8, output_len=4))
     assert state.peak == 8
 
