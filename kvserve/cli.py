@@ -51,6 +51,12 @@ def _add_serve_parser(sub) -> None:
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
+def _add_eval_parser(sub) -> None:
+    from kvserve.eval.cli import add_eval_parser  # the flags live beside the evaluations
+
+    add_eval_parser(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description="A small LLM inference engine.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -60,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(gen)
     gen.add_argument("--quiet-metrics", action="store_true", help="do not print TTFT/TPOT at the end")
     _add_serve_parser(sub)
+    _add_eval_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     tp = bench.add_parser("throughput", help="offline throughput on a random workload (optionally vs HF)")
@@ -191,6 +198,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from kvserve.eval.cli import run
+
+    return run(args)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvserve.config import EngineConfig
     from kvserve.server.launch import ServeOptions, serve
@@ -212,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="kvserve: %(message)s", stream=sys.stderr)
     try:
-        return {"generate": cmd_generate, "bench": cmd_bench, "serve": cmd_serve}[args.command](args)
+        commands = {"generate": cmd_generate, "bench": cmd_bench, "serve": cmd_serve, "eval": cmd_eval}
+        return commands[args.command](args)
     except ValueError as e:  # bad input (ModelLoadError is a ValueError): a message, no traceback
         print(f"kvserve: error: {e}", file=sys.stderr)
         return 2

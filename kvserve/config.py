@@ -5,6 +5,7 @@ import os
 from dataclasses import dataclass, fields
 
 DEVICES = ("cpu", "cuda")
+SPECULATIVE = ("ngram", "draft", "self")
 
 
 def _default_kv_cache_gib() -> float:
@@ -30,6 +31,18 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     use_kv_cache: bool = True  # False: recompute the whole sequence every step (the O(T^2) baseline)
     num_threads: int | None = None  # torch intra-op threads; None = leave torch's default
+    # Speculative decoding: None (off), "ngram" (prompt lookup), "draft" (a smaller model sharing
+    # the tokenizer) or "self" (the target's own first layers: early exit).
+    speculative: str | None = None
+    num_speculative_tokens: int = 4  # k: tokens proposed (and verified in one pass) per step
+    speculative_model: str | None = None  # the draft model for speculative="draft"
+    ngram_min: int = 1  # prompt lookup: shortest suffix n-gram to match
+    ngram_max: int = 4  # longest suffix n-gram to match (tried first)
+    # speculative="self": a copy of the target in this dtype (default bfloat16 for a float32
+    # target), and/or an early exit after self_draft_layers layers (default: all layers for a
+    # copy, a third of them without one).
+    self_draft_dtype: str | None = None
+    self_draft_layers: int | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
@@ -53,6 +66,30 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "use_kv_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        if self.speculative is not None and self.speculative not in SPECULATIVE:
+            raise ValueError(f"speculative must be one of {SPECULATIVE} or None, got {self.speculative!r}")
+        for name in ("num_speculative_tokens", "ngram_min", "ngram_max"):
+            self._positive_int(name)
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
+        if self.self_draft_layers is not None:
+            self._positive_int("self_draft_layers")
+        if self.self_draft_dtype is not None:
+            from kvserve.loading.loader import DTYPES  # validation only
+
+            if self.self_draft_dtype not in DTYPES:
+                raise ValueError(f"self_draft_dtype must be one of {sorted(DTYPES)}, got {self.self_draft_dtype!r}")
+        if self.speculative != "self" and (self.self_draft_dtype or self.self_draft_layers):
+            raise ValueError("self_draft_dtype / self_draft_layers are only used with speculative='self'")
+        if self.speculative == "draft" and not self.speculative_model:
+            raise ValueError("speculative_model is required with speculative='draft' (a GGUF file or HF folder)")
+        if self.speculative_model is not None and self.speculative != "draft":
+            raise ValueError("speculative_model is only used with speculative='draft'")
+        if self.speculative is not None and not self.use_kv_cache:
+            raise ValueError("speculative decoding needs the KV cache (use_kv_cache=True)")
 
     def _positive_int(self, name: str) -> None:
         v = getattr(self, name)

@@ -38,6 +38,12 @@ class Sequence:
     # by recompute resets it to 0.
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)  # logical block i -> physical block id
+    # Speculative decoding. The engine sets how many draft tokens this sequence may be verified
+    # with next step (0 = plain decoding); the scheduler reserves that many extra slots.
+    max_spec_tokens: int = 0
+    # Tokens whose K/V the draft model's own cache holds (None = no separate draft cache). A
+    # block is registered in the prefix cache only once both caches hold it.
+    num_draft_computed: int | None = None
     stop_reason: int | str | None = None
     error: str | None = None
     # Per-token timestamps from the engine's monotonic clock.

@@ -35,10 +35,16 @@ def make_seq(prompt: list[int], max_tokens: int | None = 16, request_id: str | N
 class Engine:
     """Drives a Scheduler like the real engine would, checking every contract on the way."""
 
-    def __init__(self, sched: Scheduler, seed: int = 0):
+    def __init__(self, sched: Scheduler, seed: int = 0, draft_cache: bool = False):
         self.sched, self.bm = sched, sched.bm
         self.rng = random.Random(seed)
         self.slots: dict[int, int | None] = {}
+        # Speculative decoding (sched.num_speculative_tokens > 0): random drafts, a random number
+        # accepted. With draft_cache, a draft model's own KV pool shares the block tables and
+        # may lag the target's (`num_draft_computed`); `draft_slots` stands in for it.
+        self.draft_cache = draft_cache
+        self.draft_slots: dict[int, int | None] = {}
+        self.num_rejected = 0
         self.finished: list[Sequence] = []
         self.errors: list[Sequence] = []
         self.num_copies = 0
@@ -49,6 +55,9 @@ class Engine:
 
     def step(self, finish_prob: float = 0.0) -> SchedulerOutput:
         s, bm = self.sched, self.bm
+        for q in s.running:  # what the engine allows each sequence to draft
+            limit = (q.params.max_tokens or 10**9) - len(q.output_token_ids) - 1
+            q.max_spec_tokens = max(0, min(self.rng.randrange(s.num_speculative_tokens + 1), limit))
         old_running = list(s.running)
         decodes = {q.seq_id for q in s.running if q.num_uncomputed_tokens == 1}
         # schedule() only adds in-flight blocks (allocations) or drops them with a preemption,
@@ -67,17 +76,41 @@ class Engine:
         for src, dst in out.block_copies:
             for off in range(bs):
                 self.slots[dst * bs + off] = self.slots.get(src * bs + off)
+                self.draft_slots[dst * bs + off] = self.draft_slots.get(src * bs + off)
+        drafts = {id(x): self._propose(x) for x in out.scheduled if x.num_spec}
         for x in out.scheduled:
-            toks = x.seq.all_token_ids
+            toks = x.seq.all_token_ids[: x.start + x.num_tokens - x.num_spec] + drafts.get(id(x), [])
             for p in range(x.start, x.start + x.num_tokens):
                 self.slots[bm.slot(x.seq, p)] = toks[p]
+            if x.num_spec:  # verification keeps a random prefix of the drafts, appended before
+                x.num_rejected = x.num_spec - self.rng.randrange(x.num_spec + 1)  # update (as the engine)
+                self.num_rejected += x.num_rejected
+                for t in drafts[id(x)][: x.num_spec - x.num_rejected]:
+                    x.seq.append_token(t, 0.0)
         s.update(out)
         for x in out.scheduled:
-            assert x.seq.num_computed_tokens == x.start + x.num_tokens
+            assert x.seq.num_computed_tokens == x.start + x.num_tokens - x.num_rejected
+            assert len(x.seq.block_table) <= bm.blocks_for(x.seq.num_computed_tokens + 1), "draft blocks kept"
             if x.needs_logits:
                 self._sample(x.seq, finish_prob)
+            if x.seq.num_draft_computed is not None:
+                x.seq.num_draft_computed = min(x.seq.num_draft_computed, x.seq.num_computed_tokens)
         self.check()
         return out
+
+    def _propose(self, x: ScheduledSeq) -> list[int]:
+        """A proposer filling a random number of the reserved draft slots (as the engine shrinks
+        the item to it); a draft model first catches up on the tokens its cache lacks."""
+        q = x.seq
+        k = self.rng.randrange(x.num_spec + 1)
+        x.num_spec, x.num_tokens = k, 1 + k
+        drafts = [self.rng.randrange(3) for _ in range(k)]
+        if q.num_draft_computed is not None and k:
+            toks = q.all_token_ids + drafts
+            for p in range(q.num_draft_computed, q.num_tokens + k - 1):
+                self.draft_slots[self.bm.slot(q, p)] = toks[p]
+            q.num_draft_computed = q.num_tokens + k - 1
+        return drafts
 
     def _sample(self, seq: Sequence, finish_prob: float) -> None:
         seq.append_token(self.rng.randrange(3), 0.0)
@@ -98,7 +131,8 @@ class Engine:
         assert len({x.seq.seq_id for x in out.scheduled}) == len(out.scheduled)
         for x in out.scheduled:
             assert x.num_tokens >= 1 and x.seq.status is SequenceStatus.RUNNING and x.seq in s.running
-            assert x.start + x.num_tokens <= x.seq.num_tokens
+            assert x.start + x.num_tokens - x.num_spec <= x.seq.num_tokens
+            assert x.num_spec == 0 or (x.seq.seq_id in decodes and x.num_spec <= x.seq.max_spec_tokens)
             if not s.enable_chunked_prefill and not x.seq.output_token_ids:
                 assert x.needs_logits, "a prompt was chunked with chunked prefill disabled"
         # Decodes first.
@@ -120,6 +154,9 @@ class Engine:
             toks = q.all_token_ids
             got = [self.slots.get(self.bm.slot(q, p)) for p in range(q.num_computed_tokens)]
             assert got == toks[: q.num_computed_tokens], f"seq {q.seq_id} reads wrong KV"
+            if q.num_draft_computed is not None:  # a prefix hit must bring the draft's K/V too
+                got = [self.draft_slots.get(self.bm.slot(q, p)) for p in range(q.num_draft_computed)]
+                assert got == toks[: q.num_draft_computed], f"seq {q.seq_id} reads wrong draft KV"
         for q in self.sched.waiting:
             assert not q.block_table and q.status is SequenceStatus.WAITING
 
@@ -527,16 +564,41 @@ def test_random_shared_prefix_workloads_keep_invariants_and_finish(ops, num_bloc
         event("passed over on an in-flight prefix")
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    ops=st.lists(st.tuples(st.sampled_from(OPS + ["add"]), st.integers(0, 10**6)), min_size=10, max_size=50),
+    num_blocks=st.integers(6, 24),
+    block_size=st.sampled_from([1, 2, 4]),
+    max_num_seqs=st.integers(1, 6),
+    budget=st.integers(1, 16),
+    chunked=st.booleans(),
+    seed=st.integers(0, 3),
+    spec_k=st.integers(1, 5),
+    draft_cache=st.booleans(),
+)
+def test_random_speculative_workloads_roll_back_without_leaks(ops, num_blocks, block_size, max_num_seqs, budget,
+                                                              chunked, seed, spec_k, draft_cache):
+    """Speculative steps (k draft slots, a random number accepted) on shared-prefix workloads:
+    rejected slots' blocks are returned, every sequence reads back its own tokens (draft cache
+    included), and all blocks come back at the end."""
+    eng = run_random_workload(ops, shared_prompt, num_blocks, block_size, max_num_seqs, budget, chunked, seed,
+                              spec_k=spec_k, draft_cache=draft_cache)
+    if eng.num_rejected:
+        event("drafts rejected")
+
+
 def run_random_workload(ops, prompt_of, num_blocks: int, block_size: int, max_num_seqs: int, budget: int,
-                        chunked: bool, seed: int) -> Engine:
+                        chunked: bool, seed: int, spec_k: int = 0, draft_cache: bool = False) -> Engine:
     bm = BlockManager(num_blocks, block_size)
     sched = Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                      max_model_len=24, enable_chunked_prefill=chunked)
-    eng = Engine(sched, seed)
+                      max_model_len=24, enable_chunked_prefill=chunked, num_speculative_tokens=spec_k)
+    eng = Engine(sched, seed, draft_cache)
     added: list[Sequence] = []
     for op, r in ops:
         if op == "add":
             q = make_seq(prompt_of(r), max_tokens=1 + (r >> 6) % 8, request_id=f"r{(r >> 9) % 4}")
+            if draft_cache:
+                q.num_draft_computed = 0
             sched.add(q)
             added.append(q)
         elif op == "step":

@@ -59,6 +59,14 @@ def extra_keys_of(seq: Sequence) -> tuple:
     return salt if isinstance(salt, tuple) else (salt,)
 
 
+def _num_registrable(seq: Sequence) -> int:
+    """Leading tokens whose K/V every cache holds (a draft model's pool may lag the target's):
+    only blocks within them may be registered, so a hit finds both caches filled."""
+    if seq.num_draft_computed is None:
+        return seq.num_computed_tokens
+    return min(seq.num_computed_tokens, seq.num_draft_computed)
+
+
 @dataclass
 class Block:
     block_id: int
@@ -284,6 +292,8 @@ class BlockManager:
         if hits:
             seq.block_table.extend(hits)
             seq.num_computed_tokens = len(hits) * self.block_size
+            if seq.num_draft_computed is not None:  # registered blocks hold the draft's K/V too
+                seq.num_draft_computed = seq.num_computed_tokens
             self._state(seq).num_registered = len(hits)
         self._pending_copies.extend(self.copy_on_write(seq, num_new_tokens))
         target = self.blocks_for(seq.num_computed_tokens + num_new_tokens)
@@ -356,7 +366,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         st = self._state(seq)
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        num_full = min(_num_registrable(seq) // self.block_size, len(seq.block_table))
         if num_full <= st.num_registered:
             return
         hashes = self._hashes(seq, num_full)
@@ -371,6 +381,29 @@ class BlockManager:
         st.num_registered = num_full
         self._sync_inflight(seq)  # these blocks are computed now: no longer in flight
 
+    def trim(self, seq: Sequence) -> None:
+        """Speculative rollback: return the table's blocks past `num_computed_tokens`.
+
+        They held slots for draft tokens that were rejected (or never proposed). The accepted
+        tokens' K/V stay; stale K/V after them in the last kept block is overwritten by later
+        writes and never read (attention reads [0, context length) only).
+        """
+        keep = self.blocks_for(seq.num_computed_tokens)
+        for bid in reversed(seq.block_table[keep:]):
+            self._unref(bid)
+        del seq.block_table[keep:]
+        self._sync_inflight(seq)
+
+    def _unref(self, bid: int) -> None:
+        """Drop one reference; at 0 the block goes back to the pool keeping its hash."""
+        b = self.blocks[bid]
+        b.ref_count -= 1
+        if b.ref_count == 0:
+            if b.hash is not None:
+                self._free_cached[bid] = None
+            else:
+                self._free_plain.append(bid)
+
     # ---- sharing and release ---------------------------------------------------------
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Child shares all of parent's blocks (ref counts +1) and its computed length.
@@ -383,6 +416,7 @@ class BlockManager:
             self.blocks[bid].ref_count += 1
         child.block_table = list(parent.block_table)
         child.num_computed_tokens = parent.num_computed_tokens
+        child.num_draft_computed = parent.num_draft_computed
         pst = self._state(parent)
         self._seqs[child.seq_id] = _SeqState(list(pst.hashes), pst.num_registered)
         self._sync_inflight(child)  # the child will compute the same uncomputed prompt blocks
@@ -394,13 +428,7 @@ class BlockManager:
         Leaves `num_computed_tokens` alone (preemption resets it). Safe to call twice.
         """
         for bid in reversed(seq.block_table):
-            b = self.blocks[bid]
-            b.ref_count -= 1
-            if b.ref_count == 0:
-                if b.hash is not None:
-                    self._free_cached[bid] = None
-                else:
-                    self._free_plain.append(bid)
+            self._unref(bid)
         seq.block_table = []
         st = self._seqs.pop(seq.seq_id, None)
         if st is not None:  # its in-flight blocks will never be computed: waiters stop waiting
@@ -481,10 +509,13 @@ class BlockManager:
                     h = hash_block(h, self._block_tokens(s, i), extra)
                     if i not in want:
                         continue
-                    assert i >= s.num_computed_tokens // self.block_size, (
+                    assert i >= _num_registrable(s) // self.block_size, (
                         f"seq {s.seq_id}: block {i} is computed but still in flight"
                     )
-                    assert self.blocks[s.block_table[i]].hash is None, (
+                    b = self.blocks[s.block_table[i]]
+                    # A forked sequence whose draft cache lags may still count a block in flight
+                    # that its parent (or child), which shared it, already registered.
+                    assert b.hash is None or s.num_draft_computed is not None, (
                         f"seq {s.seq_id}: in-flight block {i} is already registered"
                     )
                     expected.setdefault(h, set()).add(s.seq_id)

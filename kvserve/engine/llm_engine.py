@@ -20,11 +20,15 @@ from kvserve.engine.model_runner import ModelRunner, StepInput
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.loading import LoadedModel, load_model
+from kvserve.loading.loader import build_model, resolve_dtype
 from kvserve.model.attention import KVCache
 from kvserve.sampling import Sampler, SamplingRequest
+from kvserve.sampling.sampler import penalizes as _needs_penalties
 from kvserve.sampling.stop import IncrementalDetokenizer, StopChecker
 from kvserve.sampling_params import SamplingParams
 from kvserve.sequence import Sequence, SequenceStatus
+from kvserve.spec.proposers import Draft, ModelDrafter, NgramDrafter
+from kvserve.spec.rejection import rejection_sample
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +77,13 @@ class LLMEngine:
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, cfg.block_size, cfg.device)
         self.block_manager = BlockManager(self.num_blocks, cfg.block_size,
                                           enable_prefix_caching=cfg.enable_prefix_caching and cfg.use_kv_cache)
+        self.drafter = self._make_drafter()
+        self.spec_stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
                                    max_model_len=self.max_model_len,
-                                   enable_chunked_prefill=cfg.enable_chunked_prefill)
+                                   enable_chunked_prefill=cfg.enable_chunked_prefill,
+                                   num_speculative_tokens=cfg.num_speculative_tokens if cfg.speculative else 0)
         self.sampler = Sampler(self.tokenizer.eos_token_ids)
         self.requests: dict[str, _Request] = {}
         self.num_prompt_tokens_computed = 0  # prompt tokens that went through the model (not cache hits)
@@ -125,6 +132,11 @@ class LLMEngine:
             s.extra["generator"] = self._generator(params, s.index)
             s.extra["detok"] = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
             s.extra["stop"] = StopChecker(params, self.tokenizer.eos_token_ids, self.max_model_len)
+            if self.drafter is not None:
+                # Penalties depend on every token before a position: such requests decode plainly.
+                s.extra["no_spec"] = _needs_penalties(params)
+                if self.draft_runner is not None and not s.extra["no_spec"]:
+                    s.num_draft_computed = 0
         req = _Request(request_id, prompt if isinstance(prompt, str) else None, ids, params, seqs,
                        RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(ids)))
         self.requests[request_id] = req
@@ -168,6 +180,7 @@ class LLMEngine:
             "prefix_cache_hits": bm.prefix_cache_hits,
             "num_preemptions": sch.num_preemptions,
             "prompt_tokens_computed": self.num_prompt_tokens_computed,
+            **{f"spec_{k}": v for k, v in self.spec_stats.items()},
         }
 
     # ---------------------------------------------------------------- stepping
@@ -189,40 +202,164 @@ class LLMEngine:
 
     def _execute(self, sched: SchedulerOutput, touched: set[str]) -> None:
         self.runner.copy_blocks(sched.block_copies, self.config.block_size)
-        inputs, samplers = [], []
+        if self.draft_runner is not None:  # the draft pool shares the block tables
+            self.draft_runner.copy_blocks(sched.block_copies, self.config.block_size)
+        drafts = self._propose(sched)
+        inputs, samplers, rows, spec = [], [], [], []
         now = self.clock()
+        num_rows = 0
         for item in sched.scheduled:
             seq = item.seq
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
             start = seq.num_computed_tokens
-            tokens = seq.token_slice(start, start + item.num_tokens)
-            self.num_prompt_tokens_computed += max(0, min(start + item.num_tokens, seq.num_prompt_tokens) - start)
-            inputs.append(StepInput(tokens, start, seq.block_table, item.needs_logits))
-            if item.needs_logits:
+            known = item.num_tokens - item.num_spec
+            tokens = seq.token_slice(start, start + known)
+            if item.num_spec:
+                tokens = tokens + drafts[id(item)].token_ids
+            self.num_prompt_tokens_computed += max(0, min(start + known, seq.num_prompt_tokens) - start)
+            inputs.append(StepInput(tokens, start, seq.block_table, item.needs_logits, max(1, item.num_logits)))
+            if item.num_spec:
+                spec.append((item, num_rows))
+            elif item.needs_logits:
                 samplers.append(seq)
+                rows.append(num_rows)
+            num_rows += item.num_logits
         logits = self.runner.execute(inputs)
+        # Speculative tokens are appended before `update` (which sets num_rejected-aware
+        # progress): blocks that become full are hashed from tokens that must already be there.
+        self._accept(self._verify(logits, spec, drafts), touched)
         self.scheduler.update(sched)
-        rows = list(range(len(samplers)))
-        for row, seq in list(enumerate(samplers)):
+        for item, _ in spec:
+            seq = item.seq
+            if seq.num_draft_computed is not None:  # draft K/V past the accepted tokens is stale
+                seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
+        for row, seq in list(zip(rows, samplers)):
             for child in self._fork_children(seq):
                 samplers.append(child)
                 rows.append(row)  # a child samples its first token from the parent's logits
-        if len(rows) > logits.shape[0]:
-            logits = logits[torch.tensor(rows, device=logits.device)]
         if not self.config.use_kv_cache:
             # The no-cache baseline: after each sampled token forget everything computed, so the
             # next step recomputes the whole sequence (a long prompt still goes in chunks first).
             for seq in samplers:
                 seq.num_computed_tokens = 0
-        if not samplers:
-            return
-        out = self.sampler(logits, [SamplingRequest(s.params, s.prompt_token_ids, s.output_token_ids,
-                                                    s.extra["generator"]) for s in samplers])
+        if samplers:
+            plain = logits if rows == list(range(logits.shape[0])) else logits[torch.tensor(rows, device=logits.device)]
+            out = self.sampler(plain, [self._sampling_request(s) for s in samplers])
+            now = self.clock()
+            for i, seq in enumerate(samplers):
+                self._append(seq, out.token_ids[i], out.logprobs[i], out.top_logprobs[i], now)
+                touched.add(seq.request_id)
+
+    def _accept(self, verified: list, touched: set[str]) -> None:
         now = self.clock()
-        for i, seq in enumerate(samplers):
-            self._append(seq, out.token_ids[i], out.logprobs[i], out.top_logprobs[i], now)
+        for seq, tokens, lps in verified:
+            for j, token in enumerate(tokens):
+                if seq.finished:
+                    break  # a stop inside the accepted run: the rest is dropped
+                self._append(seq, token, lps.logprobs[j], lps.top_logprobs[j], now)
             touched.add(seq.request_id)
+
+    @staticmethod
+    def _sampling_request(seq: Sequence) -> SamplingRequest:
+        return SamplingRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.extra["generator"])
+
+    # ---------------------------------------------------------------- speculative decoding
+    def _make_drafter(self):
+        """The proposer chosen by config.speculative (None when off); sets self.draft_runner."""
+        cfg, mc = self.config, self.model_config
+        self.draft_runner = None
+        if cfg.speculative is None:
+            return None
+        if cfg.speculative == "ngram":
+            return NgramDrafter(cfg.num_speculative_tokens, cfg.ngram_min, cfg.ngram_max)
+        if cfg.speculative == "self":
+            return self._make_self_drafter()
+        draft = load_model(cfg.speculative_model, cfg.dtype, cfg.device).model
+        if draft.config.vocab_size != mc.vocab_size:
+            raise ValueError(f"speculative_model {cfg.speculative_model!r} has a vocabulary of "
+                             f"{draft.config.vocab_size} tokens; the target has {mc.vocab_size}: a draft must "
+                             "share the tokenizer")
+        return self._separate_drafter(draft, draft.config.num_layers, f"draft model {cfg.speculative_model}")
+
+    def _make_self_drafter(self) -> ModelDrafter:
+        """The target as its own draft: a lower-precision copy of its weights (default bf16 for
+        an fp32 target), and/or an early exit after its first `self_draft_layers` layers."""
+        cfg, mc = self.config, self.model_config
+        target_dtype = next(self.loaded.model.parameters()).dtype
+        dtype = resolve_dtype(cfg.self_draft_dtype) if cfg.self_draft_dtype else (
+            torch.bfloat16 if target_dtype == torch.float32 else target_dtype)
+        copy = dtype != target_dtype
+        layers = cfg.self_draft_layers or (mc.num_layers if copy else max(1, mc.num_layers // 3))
+        if layers > mc.num_layers or (layers == mc.num_layers and not copy):
+            raise ValueError(f"self_draft_layers must be below the model's {mc.num_layers} layers (or give a "
+                             f"self_draft_dtype other than the target's), got {layers}")
+        exit_at = layers if layers < mc.num_layers else None
+        if not copy:  # early exit on the target itself: its K/V for those layers are the draft's
+            log.info("self-speculative draft: early exit after %d of %d layers", layers, mc.num_layers)
+            return ModelDrafter(self.runner, num_layers=exit_at)
+        weights = {k: v for k, v in self.loaded.model.state_dict().items()}
+        draft = build_model(mc, weights, dtype, cfg.device, self.loaded.source)
+        return self._separate_drafter(draft, layers, f"self draft ({dtype}, {layers} of {mc.num_layers} layers)",
+                                      exit_at)
+
+    def _separate_drafter(self, draft, num_layers: int, what: str, exit_at: int | None = None) -> ModelDrafter:
+        """A drafter with its own KV pool (num_layers layers) addressed by the target's block tables."""
+        dc, cfg = draft.config, self.config
+        kv_dtype = next(draft.parameters()).dtype
+        cache = KVCache(num_layers, self.kv_cache.num_slots, dc.num_kv_heads, dc.head_dim, kv_dtype, cfg.device)
+        log.info("%s: its own KV pool %.2f GiB (same block tables as the target)", what, cache.nbytes / 2**30)
+        self.draft_runner = ModelRunner(draft, cache, cfg.block_size, cfg.device)
+        return ModelDrafter(self.draft_runner, num_layers=exit_at, separate_cache=True)
+
+    def _spec_budget(self, seq: Sequence) -> int:
+        """Draft tokens seq may be verified with next step: never more than it may still emit."""
+        if self.drafter is None or seq.extra.get("no_spec"):
+            return 0
+        p = seq.params
+        if len(seq.output_token_ids) < p.min_tokens:
+            return 0  # eos is masked per position until then: plain sampling handles it
+        left = self.max_model_len if p.max_tokens is None else p.max_tokens - len(seq.output_token_ids)
+        return max(0, min(self.config.num_speculative_tokens, left - 1))
+
+    def _propose(self, sched: SchedulerOutput) -> dict[int, Draft]:
+        """Draft tokens for the scheduled decodes with reserved slots, keyed by id(item); shrinks
+        each item to what was proposed."""
+        items = [it for it in sched.scheduled if it.num_spec]
+        if not items:
+            return {}
+        drafts = self.drafter.propose([it.seq for it in items], [it.num_spec for it in items])
+        out = {}
+        for it, d in zip(items, drafts):
+            del d.token_ids[it.num_spec:]
+            it.num_spec = len(d.token_ids)
+            it.num_tokens = 1 + it.num_spec
+            out[id(it)] = d
+        return out
+
+    def _verify(self, logits: torch.Tensor, spec: list, drafts: dict[int, Draft]) -> list:
+        """Rejection-sample the drafted items: [(seq, tokens to append, their logprobs)]."""
+        if not spec:
+            return []
+        items = [it for it, _ in spec]
+        rows = torch.cat([torch.arange(r, r + it.num_logits) for it, r in spec]).to(logits.device)
+        target = logits[rows]
+        ds = [drafts[id(it)] for it in items]
+        res = rejection_sample(target, [d.token_ids for d in ds], [d.probs for d in ds],
+                               [it.seq.params for it in items], [it.seq.extra["generator"] for it in items])
+        out, offset = [], 0
+        for it, tokens, accepted in zip(items, res.token_ids, res.num_accepted):
+            it.num_rejected = it.num_spec - accepted
+            st = self.spec_stats
+            st["num_drafts"] += 1
+            st["num_draft_tokens"] += it.num_spec
+            st["num_accepted_tokens"] += accepted
+            rows_i = target[offset: offset + len(tokens)]
+            offset += it.num_logits
+            req = [self._sampling_request(it.seq)] * len(tokens)
+            lps = self.sampler.token_logprobs(rows_i, torch.tensor(tokens, device=target.device), req)
+            out.append((it.seq, tokens, lps))
+        return out
 
     def _fork_children(self, parent: Sequence) -> list[Sequence]:
         """The request's other samples, forked from `parent` right after its prompt is computed."""
@@ -237,6 +374,7 @@ class LLMEngine:
 
     def _append(self, seq: Sequence, token: int, logprob: float, top: dict | None, now: float) -> None:
         seq.append_token(token, now)
+        seq.max_spec_tokens = self._spec_budget(seq)
         if seq.params.logprobs is not None:
             seq.logprobs.append(logprob)
             seq.top_logprobs.append(top)

@@ -21,6 +21,7 @@ class StepInput:
     start_pos: int
     block_table: Seq[int]
     needs_logits: bool = True
+    num_logits: int = 1  # logits for this many last tokens (1 + k when verifying k draft tokens)
 
 
 class ModelRunner:
@@ -44,7 +45,8 @@ class ModelRunner:
 
     def prepare(self, inputs: Seq[StepInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Flatten the step: input_ids, positions, slot_mapping [T]; per-sequence attention views;
-        indices [num_logits] of the rows whose logits are needed (each sequence's last token)."""
+        indices [num_logits] of the rows whose logits are needed (each sequence's last
+        `num_logits` tokens, in input order)."""
         bs = self.block_size
         ids, positions, slots, seqs, logit_rows = [], [], [], [], []
         decodes: list[tuple[int, int, Seq[int]]] = []  # (row, context length, block table)
@@ -67,7 +69,9 @@ class ModelRunner:
                 slots.extend(ctx_slots[inp.start_pos:end].tolist())
                 seqs.append(SeqAttention(q_start, n, ctx_slots))
             if inp.needs_logits:
-                logit_rows.append(q_start + n - 1)
+                if not 1 <= inp.num_logits <= n:
+                    raise ValueError(f"num_logits must be in [1, {n}], got {inp.num_logits}")
+                logit_rows.extend(range(q_start + n - inp.num_logits, q_start + n))
         meta = AttentionMetadata(slot_mapping=self._tensor(slots), seqs=seqs, decode=self._decode_batch(decodes))
         return self._tensor(ids), self._tensor(positions), meta, self._tensor(logit_rows)
 
@@ -83,11 +87,14 @@ class ModelRunner:
                            block_size=self.block_size, max_len=max(lens))
 
     @torch.inference_mode()
-    def execute(self, inputs: Seq[StepInput]) -> torch.Tensor:
-        """Run one forward pass; returns logits [num sequences needing logits, vocab] in the
-        model's dtype (the sampler upcasts what it needs to fp32)."""
+    def execute(self, inputs: Seq[StepInput], num_layers: int | None = None) -> torch.Tensor:
+        """Run one forward pass; returns logits [sum of num_logits over sequences needing
+        logits, vocab] in the model's dtype (the sampler upcasts what it needs to fp32).
+
+        `num_layers`: exit after that many layers (a self-speculative draft); only those layers'
+        K/V are written."""
         input_ids, positions, meta, logit_rows = self.prepare(inputs)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta, num_layers=num_layers)
         if logit_rows.numel() == 0:
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden.index_select(0, logit_rows), upcast=False)

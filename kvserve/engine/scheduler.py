@@ -3,8 +3,9 @@
 Pure Python (no torch). Each `schedule()` call picks, for one forward pass, how many tokens
 each sequence feeds, starting at its `num_computed_tokens`:
 
-* Running sequences are visited oldest first. Decodes (one unknown token left) get 1 token
-  and have budget reserved for them up front, so a big prefill chunk never starves them.
+* Running sequences are visited oldest first. Decodes (one unknown token left) get 1 token,
+  plus up to k slots for draft tokens with speculative decoding (`seq.max_spec_tokens`), and
+  have budget reserved for them up front, so a big prefill chunk never starves them.
   Running sequences still in prefill get `min(remaining, budget left after the decodes)`.
 * Then waiting sequences, FCFS, get `min(remaining, budget)`; that single rule gives
   chunked prefill and piggybacked decodes. The queue head blocks the queue: skipping it
@@ -42,6 +43,12 @@ WATERMARK_FRACTION = 0.01
 class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # tokens to feed this step, from position `start`
+    # Speculative decoding: slots reserved for draft tokens after the last known token. The engine
+    # may shrink it (and num_tokens with it) to what the proposer found, and sets `num_rejected`
+    # after verification; `update` then advances by num_tokens - num_rejected and returns the
+    # blocks past the accepted tokens.
+    num_spec: int = 0
+    num_rejected: int = 0
     # Snapshots taken at construction (schedule time), so the answers stay right after
     # `update` advanced the sequence or the engine appended a sampled token.
     start: int = field(init=False)
@@ -55,6 +62,11 @@ class ScheduledSeq:
     def needs_logits(self) -> bool:
         """True when this chunk reaches the end of the known tokens: sample the next one."""
         return self.start + self.num_tokens >= self._num_known
+
+    @property
+    def num_logits(self) -> int:
+        """Rows of logits this sequence needs: its last token and every draft token (0 mid-prefill)."""
+        return 1 + self.num_spec if self.needs_logits else 0
 
 
 @dataclass
@@ -78,6 +90,7 @@ class Scheduler:
         max_num_batched_tokens: int = 2048,
         max_model_len: int = 32768,
         enable_chunked_prefill: bool = True,
+        num_speculative_tokens: int = 0,
     ):
         for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                         ("max_model_len", max_model_len)):
@@ -88,6 +101,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.num_speculative_tokens = num_speculative_tokens
         self.watermark_blocks = int(WATERMARK_FRACTION * block_manager.num_blocks)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: oldest first, newest last
@@ -175,20 +189,25 @@ class Scheduler:
         decodes: list[ScheduledSeq] = []
         prefills: list[ScheduledSeq] = []
         budget = self.max_num_batched_tokens
-        reserved = sum(1 for s in self.running if s.num_uncomputed_tokens == 1)
+        reserved = sum(self._decode_tokens(s) for s in self.running)
 
         i = 0  # preemption only removes from the tail (index >= i), so indexing stays valid
         while i < len(self.running) and len(decodes) + len(prefills) < self.max_num_seqs:
             seq = self.running[i]
-            is_decode = seq.num_uncomputed_tokens == 1
-            reserved -= is_decode
-            n = self._chunk(seq.num_uncomputed_tokens, budget - (0 if is_decode else reserved))
+            want = self._decode_tokens(seq)
+            reserved -= want
+            if want:  # a decode: 1 token, plus its draft tokens while budget and free blocks allow
+                n = max(0, min(want, budget))
+                while n > 1 and not self.bm.can_allocate(seq, n):
+                    n -= 1  # drop draft slots before preempting anyone for them
+            else:
+                n = self._chunk(seq.num_uncomputed_tokens, budget - reserved)
             if n > 0:
                 reserved -= self._make_room(seq, n, out)
                 if seq.status is not SequenceStatus.RUNNING:
                     break  # seq preempted itself: it was the newest, nothing is left to visit
                 self.bm.allocate(seq, n)
-                (decodes if is_decode else prefills).append(ScheduledSeq(seq, n))
+                (decodes if want else prefills).append(ScheduledSeq(seq, n, num_spec=n - 1 if want else 0))
                 budget -= n
             i += 1
 
@@ -199,6 +218,17 @@ class Scheduler:
         out.block_copies = self.bm.take_block_copies()
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
+
+    def _decode_tokens(self, seq: Sequence) -> int:
+        """Tokens a decode feeds: its last token plus up to k draft tokens; 0 if not a decode.
+
+        Drafts never go past the context window: the last one sits at position
+        num_tokens - 1 + spec <= max_model_len - 1.
+        """
+        if seq.num_uncomputed_tokens != 1:
+            return 0
+        spec = min(seq.max_spec_tokens, self.num_speculative_tokens, self.max_model_len - seq.num_tokens)
+        return 1 + max(0, spec)
 
     def _chunk(self, remaining: int, budget: int) -> int:
         """Tokens to feed a sequence with `remaining` unknown-to-the-cache tokens; 0 = not now."""
@@ -220,7 +250,8 @@ class Scheduler:
         released = 0
         while not self.bm.can_allocate(seq, n):
             victim = self.running[-1]
-            released += victim is not seq and victim.num_uncomputed_tokens == 1
+            if victim is not seq:
+                released += self._decode_tokens(victim)
             self._preempt(victim, out)
             if victim is seq:
                 break
@@ -229,6 +260,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.bm.free(seq)
         seq.num_computed_tokens = 0
+        if seq.num_draft_computed is not None:
+            seq.num_draft_computed = 0
         seq.status = SequenceStatus.WAITING
         assert self.running[-1] is seq, "only the newest running sequence is preempted"
         self.running.pop()
@@ -275,5 +308,7 @@ class Scheduler:
             seq = s.seq
             if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens != s.start:
                 continue  # aborted/finished/preempted since schedule(): its blocks are gone
-            seq.num_computed_tokens += s.num_tokens
+            seq.num_computed_tokens += s.num_tokens - s.num_rejected
+            if len(seq.block_table) > self.bm.blocks_for(seq.num_computed_tokens):
+                self.bm.trim(seq)  # blocks that only held rejected (or never proposed) draft slots
             self.bm.mark_computed(seq)

@@ -8,6 +8,7 @@ attends over the slots its block table names. On CPU that is a gather plus
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -148,6 +149,11 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: where this step's K/V go in the pool
     seqs: list[SeqAttention]  # sequences feeding several tokens (prefill chunks): one call each
     decode: DecodeBatch | None = None  # single-token sequences
+    # Extension point (e.g. StreamingLLM evaluation, kvserve/model/streaming.py): when set, every
+    # layer hands it (layer, q [T, H, D], k [T, KVH, D], v [T, KVH, D]) after the projections and
+    # q/k norms but BEFORE RoPE, and uses its [T, H, D] result; the pool and positions are then
+    # the callable's business (the KV pool is neither read nor written).
+    custom: Callable[["Attention", torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 class Attention(nn.Module):
@@ -186,6 +192,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if meta.custom is not None:  # a caller-owned cache and rotation (see AttentionMetadata)
+            return self.o_proj(meta.custom(self, q, k, v).reshape(T, self.num_heads * self.head_dim))
         cos, sin = cos_sin
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 

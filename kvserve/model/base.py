@@ -50,11 +50,14 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         kv_cache: KVCache,
         meta: AttentionMetadata,
+        num_layers: int | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states [T, hidden] (normed)."""
+        """input_ids, positions [T] -> final hidden states [T, hidden] (normed).
+
+        `num_layers` < all: early exit (the final norm applies to that layer's output)."""
         h = self.embed(input_ids)
         cos_sin = {t: rot.cos_sin(positions, h.dtype) for t, rot in self.rotary.items()}
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers[:num_layers]):
             h = layer(h, cos_sin[self.config.layer_types[i]], kv_cache, meta)
         return self.norm(h)
 

@@ -47,6 +47,12 @@ def _needs_penalties(req: SamplingRequest) -> bool:
     )
 
 
+def penalizes(p: SamplingParams) -> bool:
+    """Repetition / presence / frequency penalties: every position's logits depend on the tokens
+    before it (so a speculative verification pass could not score drafts in one go)."""
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
 def _plain_greedy(req: SamplingRequest) -> bool:
     return req.params.greedy and req.params.logprobs is None and not _needs_penalties(req)
 
@@ -237,6 +243,14 @@ class Sampler:
         idx = torch.tensor(random_rows, device=logits.device)
         tokens[idx] = _sample_from(filter_logits(logits[idx], params), generators)
         return tokens
+
+    def token_logprobs(
+        self, raw: torch.Tensor, tokens: torch.Tensor, requests: list[SamplingRequest]
+    ) -> SamplerOutput:
+        """Logprobs of given tokens [N] under raw logits [N, V] (speculative tokens chosen by
+        the rejection sampler); computed only for requests that asked for them."""
+        return self._with_logprobs(raw.float() if any(r.params.logprobs is not None for r in requests) else raw,
+                                   tokens, requests)
 
     def _with_logprobs(
         self, raw: torch.Tensor, tokens: torch.Tensor, requests: list[SamplingRequest]

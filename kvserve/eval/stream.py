@@ -1,0 +1,384 @@
+"""`kvserve eval stream`: NLL over a long token stream with a bounded KV cache (StreamingLLM).
+
+The stream is WikiText-2 raw test, the whole file tokenized once, BOS once at the very start, cut
+to `num_tokens`. Entry t - 1 of a method's NLL scores token t given the tokens before it, as the
+method sees them. Methods (B = S + W, the cache budget, equal for every bounded method as in the
+paper's table: window 0+1024 against sinks 4+1020):
+
+* full       the model's own attention over the whole stream (cache grows with the stream).
+* window     the last B tokens, no sinks; evicted tokens are gone; positions inside the cache.
+* sinks      S sink tokens + the last W tokens, keys cached before RoPE, positions inside the cache.
+* recompute  each scored token predicted from scratch from the B tokens before it (positions
+             0..B-1, no BOS unless the context reaches the stream's start): O(B) prefill per token,
+             so only on an evenly spaced subsample of positions.
+
+Every method is also reported on exactly that subsample, so all four compare like for like.
+Gemma 3's sliding (local) layers: see `layer_policies` in kvserve/model/streaming.py: they keep
+their last min(512, B) tokens, no sinks; with B >= 512 they are exactly the model's own.
+Streaming runs in chunks of C tokens, which equals token-by-token streaming (tests prove it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from kvserve.loading import LoadedModel, load_model
+from kvserve.model.attention import AttentionMetadata
+from kvserve.model.streaming import CacheSize, StreamingAttention, StreamPolicy, layer_policies
+
+METHODS = ("full", "window", "sinks", "recompute")
+_NO_SLOTS = torch.empty(0, dtype=torch.long)  # the custom attention never touches the paged pool
+
+
+@dataclass(frozen=True)
+class StreamEvalConfig:
+    """Validated settings; messages name the CLI flags."""
+
+    num_tokens: int = 16384
+    sinks: int = 4
+    window: int = 1020
+    chunk: int = 256
+    methods: tuple[str, ...] = METHODS
+    recompute_positions: int = 128
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 2:
+            raise ValueError(f"--num-tokens must be >= 2 (one token to score after BOS), got {self.num_tokens}")
+        if self.sinks < 0:
+            raise ValueError(f"--sinks must be >= 0, got {self.sinks}")
+        if self.window < 1:
+            raise ValueError(f"--window must be >= 1, got {self.window}")
+        if self.chunk < 1:
+            raise ValueError(f"--chunk must be >= 1, got {self.chunk}")
+        if not 1 <= self.recompute_positions <= self.num_tokens - 1:
+            raise ValueError(f"--recompute-positions must be in [1, num_tokens - 1 = {self.num_tokens - 1}], "
+                             f"got {self.recompute_positions}")
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown or not self.methods:
+            raise ValueError(f"--methods: unknown or empty {unknown or list(self.methods)} "
+                             f"(choose from {', '.join(METHODS)})")
+
+    @property
+    def budget(self) -> int:
+        """Cache tokens per global layer for every bounded method: S + W."""
+        return self.sinks + self.window
+
+    def cache_label(self, method: str) -> str:
+        return {"full": "all", "window": f"0+{self.budget}", "sinks": f"{self.sinks}+{self.window}",
+                "recompute": f"{self.budget} (recomputed)"}[method]
+
+
+def parse_methods(text: str) -> tuple[str, ...]:
+    return tuple(m.strip() for m in text.split(",") if m.strip())
+
+
+def method_policies(method: str, model_cfg, cfg: StreamEvalConfig) -> list[StreamPolicy]:
+    """Per-layer cache policies of a streamed method (recompute runs `full` on each context)."""
+    if method in ("full", "recompute"):
+        return layer_policies(model_cfg)
+    if method == "window":
+        return layer_policies(model_cfg, sinks=0, window=cfg.budget)
+    return layer_policies(model_cfg, sinks=cfg.sinks, window=cfg.window)
+
+
+# --- data --------------------------------------------------------------------------------------
+
+def default_data_path() -> Path:
+    """$KVSERVE_WIKITEXT (file or folder), else ../shared/data/wikitext2/wiki.test.raw beside the
+    checkout."""
+    env = os.environ.get("KVSERVE_WIKITEXT")
+    if env:
+        p = Path(env)
+        return p / "wiki.test.raw" if p.is_dir() else p
+    return Path(__file__).resolve().parents[2].parent / "shared" / "data" / "wikitext2" / "wiki.test.raw"
+
+
+def load_token_stream(tokenizer, path: Path, num_tokens: int, bos_token_id: int | None) -> torch.Tensor:
+    """The file tokenized once (BOS once at the start when given) -> its first num_tokens [N] int64."""
+    if not path.is_file():
+        raise ValueError(f"--data: WikiText-2 file {path} not found (pass --data PATH)")
+    ids = tokenizer.encode(path.read_text(encoding="utf-8"), add_special_tokens=False)
+    if bos_token_id is not None:
+        ids = [bos_token_id] + ids
+    if num_tokens > len(ids):
+        raise ValueError(f"--num-tokens {num_tokens} exceeds the {len(ids)} tokens of {path}")
+    return torch.tensor(ids[:num_tokens], dtype=torch.long)
+
+
+def subsample_targets(num_tokens: int, k: int) -> torch.Tensor:
+    """k evenly spaced scored positions in [1, num_tokens - 1] -> [k'] int64 (k' <= k, distinct)."""
+    return torch.linspace(1, num_tokens - 1, k, dtype=torch.float64).round().long().unique()
+
+
+# --- scoring -----------------------------------------------------------------------------------
+
+def forward_chunk(model, attention: StreamingAttention, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """ids, positions [T] (positions continue the stream `attention` has seen) -> hidden [T, hidden]."""
+    attention.begin(positions)
+    return model(ids, positions, None, AttentionMetadata(slot_mapping=_NO_SLOTS, seqs=[], custom=attention))
+
+
+def token_nll(model, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """hidden [T, hidden], targets [T] -> NLL [T] fp32 (logits in fp32)."""
+    logits = model.compute_logits(hidden)
+    return torch.logsumexp(logits, dim=-1) - logits.gather(1, targets[:, None])[:, 0]
+
+
+def stream_nll(model, tokens: torch.Tensor, policies: list[StreamPolicy], chunk: int,
+               desc: str = "stream", progress: bool = True) -> tuple[torch.Tensor, list[CacheSize]]:
+    """tokens [N] streamed chunk by chunk -> (NLL [N - 1] of tokens 1..N-1, cache size per chunk)."""
+    attention = StreamingAttention.for_model(model, policies)
+    n = int(tokens.shape[0])
+    out = []
+    with torch.inference_mode(), tqdm(total=n, desc=desc, unit="tok", disable=not progress) as bar:
+        for a in range(0, n, chunk):
+            ids = tokens[a:a + chunk]
+            hidden = forward_chunk(model, attention, ids, torch.arange(a, a + len(ids)))
+            targets = tokens[a + 1:a + 1 + len(ids)]  # the last token of the stream has no target
+            out.append(token_nll(model, hidden[:len(targets)], targets))
+            bar.update(len(ids))
+    return torch.cat(out), attention.sizes
+
+
+def recompute_nll(model, tokens: torch.Tensor, targets: torch.Tensor, context: int,
+                  progress: bool = True) -> tuple[torch.Tensor, list[CacheSize]]:
+    """Sliding window with recomputation: token t from a fresh pass over tokens[t - context : t]
+    at positions 0.. (the model's own attention) -> (NLL [K] at `targets` [K], cache sizes)."""
+    policies = layer_policies(model.config)
+    nll, sizes = [], []
+    with torch.inference_mode():
+        for t in tqdm(targets.tolist(), desc="recompute", unit="pos", disable=not progress):
+            ids = tokens[max(0, t - context):t]
+            attention = StreamingAttention.for_model(model, policies)
+            hidden = forward_chunk(model, attention, ids, torch.arange(len(ids)))
+            nll.append(token_nll(model, hidden[-1:], tokens[t:t + 1]))
+            size = attention.sizes[0]
+            sizes.append(CacheSize(t, size.max_layer_tokens, size.total_bytes))
+    return torch.cat(nll), sizes
+
+
+@dataclass
+class MethodResult:
+    name: str
+    cache: str  # e.g. "4+1020"
+    nll: torch.Tensor | None  # [N - 1], tokens 1..N-1; None for recompute (subsample only)
+    sub_nll: torch.Tensor  # [K] at the shared subsample
+    sizes: list[CacheSize]
+    seconds: float
+
+
+def run_method(loaded: LoadedModel, tokens: torch.Tensor, method: str, cfg: StreamEvalConfig,
+               targets: torch.Tensor, progress: bool = True) -> MethodResult:
+    t0 = time.perf_counter()
+    if method == "recompute":
+        sub, sizes = recompute_nll(loaded.model, tokens, targets, cfg.budget, progress)
+        nll = None
+    else:
+        policies = method_policies(method, loaded.config, cfg)
+        nll, sizes = stream_nll(loaded.model, tokens, policies, cfg.chunk, desc=method, progress=progress)
+        sub = nll[targets - 1]
+    return MethodResult(method, cfg.cache_label(method), nll, sub, sizes, time.perf_counter() - t0)
+
+
+# --- summary -----------------------------------------------------------------------------------
+
+def bucket_edges(num_tokens: int) -> list[int]:
+    """[0, 1K, 4K, 16K, 64K, ...] below num_tokens, then num_tokens."""
+    edges, e = [0], 1024
+    while e < num_tokens:
+        edges.append(e)
+        e *= 4
+    return edges + [num_tokens]
+
+
+def _k(x: int) -> str:
+    return f"{x // 1024}K" if x and x % 1024 == 0 else str(x)
+
+
+def bucket_labels(edges: list[int]) -> list[str]:
+    return [f"[{_k(a)},{_k(b)})" for a, b in zip(edges, edges[1:])]
+
+
+def ppl(nll: torch.Tensor) -> float:
+    return math.exp(float(nll.double().mean())) if nll.numel() else float("nan")
+
+
+@dataclass
+class Row:
+    """One method's line of the table (PPL = exp(mean NLL))."""
+
+    method: str
+    cache: str
+    ppl_all: float | None  # None: not computed on every token (recompute)
+    ppl_sub: float
+    dnll_sub: tuple[float, float] | None  # mean NLL - full's on the subsample, its standard error
+    buckets: list[float]  # PPL per position bucket (subsample only for recompute)
+    buckets_from_subsample: bool
+    cache_max_tokens: int  # per layer, the fullest layer at its peak
+    cache_max_bytes: int  # all layers, each at its peak in the chunk
+    seconds: float
+
+
+def summarize(results: list[MethodResult], targets: torch.Tensor, num_tokens: int) -> list[Row]:
+    edges = bucket_edges(num_tokens)
+    full = next((r for r in results if r.name == "full"), None)
+    rows = []
+    for r in results:
+        if r.nll is not None:
+            pos, nll = torch.arange(1, num_tokens), r.nll
+        else:
+            pos, nll = targets, r.sub_nll
+        buckets = [ppl(nll[(pos >= a) & (pos < b)]) for a, b in zip(edges, edges[1:])]
+        dnll = None
+        if full is not None:
+            d = (r.sub_nll - full.sub_nll).double()
+            se = float(d.std() / math.sqrt(d.numel())) if d.numel() > 1 else float("nan")
+            dnll = (float(d.mean()), se)
+        rows.append(Row(r.name, r.cache, ppl(r.nll) if r.nll is not None else None, ppl(r.sub_nll), dnll,
+                        buckets, r.nll is None, max(s.max_layer_tokens for s in r.sizes),
+                        max(s.total_bytes for s in r.sizes), r.seconds))
+    return rows
+
+
+def format_table(rows: list[Row], num_tokens: int, k: int) -> str:
+    """A Markdown table (reads in a terminal, pastes into docs)."""
+    labels = bucket_labels(bucket_edges(num_tokens))
+    head = (["method", "cache", "PPL all", f"PPL sub ({k})", "ΔNLL sub vs full"] + [f"PPL {b}" for b in labels]
+            + ["max cache tok/layer", "max cache MiB", "time (s)"])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        star = "*" if r.buckets_from_subsample else ""
+        cells = [r.method, r.cache, "—" if r.ppl_all is None else f"{r.ppl_all:.2f}", f"{r.ppl_sub:.2f}",
+                 "—" if r.dnll_sub is None else f"{r.dnll_sub[0]:+.3f} ± {r.dnll_sub[1]:.3f}"]
+        cells += [f"{b:.2f}{star}" for b in r.buckets]
+        cells += [str(r.cache_max_tokens), f"{r.cache_max_bytes / 2**20:.1f}", f"{r.seconds:.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    if any(r.buckets_from_subsample for r in rows):
+        lines.append("\n\\* from the subsample positions only.")
+    return "\n".join(lines)
+
+
+def moving_average(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x [n] -> [n - width + 1] means over consecutive windows of `width` (width <= n)."""
+    c = torch.cat([torch.zeros(1, dtype=torch.float64), x.double().cumsum(0)])
+    return ((c[width:] - c[:-width]) / width).float()
+
+
+def plot(results: list[MethodResult], targets: torch.Tensor, cfg: StreamEvalConfig, path: str,
+         width: int = 256) -> None:
+    """NLL over position (moving average of `width` tokens; recompute: of 8 subsample points)
+    and the cache size per layer over the stream."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(10, 7), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    for r in results:
+        label = f"{r.name} ({r.cache})"
+        if r.nll is not None:
+            w = min(width, r.nll.numel())
+            ma = moving_average(r.nll, w)
+            ax.plot(torch.arange(ma.numel()) + 1 + (w - 1) / 2, ma, label=label, lw=1)
+        else:
+            w = min(8, r.sub_nll.numel())
+            ma = moving_average(r.sub_nll, w)
+            ax.plot(moving_average(targets.double(), w), ma, "o-", ms=3, label=f"{label}, {w}-point avg", lw=1)
+        ax2.step([s.position for s in r.sizes], [s.max_layer_tokens for s in r.sizes], where="post", label=r.name)
+    for a in (ax, ax2):
+        a.axvline(cfg.budget, color="grey", ls=":", lw=1)
+    ax.set_ylabel(f"NLL (moving average, {width} tokens)")
+    ax.set_title(f"StreamingLLM on WikiText-2: NLL over position (cache budget {cfg.budget}, dotted)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    ax2.set_yscale("log")
+    ax2.set_ylabel("cache tokens / layer")
+    ax2.set_xlabel("position in the stream")
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _trace(sizes: list[CacheSize], points: int = 200) -> list[list[int]]:
+    step = max(1, len(sizes) // points)
+    return [[s.position, s.max_layer_tokens, s.total_bytes] for s in sizes[::step]]
+
+
+def to_json(results: list[MethodResult], rows: list[Row], targets: torch.Tensor, cfg: StreamEvalConfig,
+            meta: dict) -> dict:
+    labels = bucket_labels(bucket_edges(cfg.num_tokens))
+    methods = {}
+    for r, row in zip(results, rows):
+        entry = {
+            "cache": r.cache, "ppl_all": row.ppl_all, "ppl_subsample": row.ppl_sub,
+            "delta_nll_vs_full_subsample": None if row.dnll_sub is None else
+            {"mean": row.dnll_sub[0], "standard_error": row.dnll_sub[1]},
+            "ppl_buckets": dict(zip(labels, row.buckets)), "buckets_from_subsample": row.buckets_from_subsample,
+            "cache_max_tokens_per_layer": row.cache_max_tokens, "cache_max_bytes": row.cache_max_bytes,
+            "cache_trace": {"columns": ["position", "max_layer_tokens", "total_bytes"], "rows": _trace(r.sizes)},
+            "nll_subsample": [round(float(x), 5) for x in r.sub_nll], "seconds": r.seconds,
+        }
+        if r.nll is not None:
+            ma = moving_average(r.nll, min(256, r.nll.numel()))
+            entry["nll_moving_average_256"] = [round(float(x), 4) for x in ma[::64]]
+        methods[r.name] = entry
+    return {**meta, "config": {"num_tokens": cfg.num_tokens, "sinks": cfg.sinks, "window": cfg.window,
+                               "budget": cfg.budget, "chunk": cfg.chunk, "methods": list(cfg.methods),
+                               "recompute_positions": cfg.recompute_positions},
+            "subsample_positions": targets.tolist(), "methods": methods}
+
+
+# --- entry points ------------------------------------------------------------------------------
+
+@dataclass
+class StreamReport:
+    results: list[MethodResult]
+    rows: list[Row]
+    targets: torch.Tensor
+    meta: dict = field(default_factory=dict)
+
+
+def evaluate(loaded: LoadedModel, cfg: StreamEvalConfig, data: Path, progress: bool = True) -> StreamReport:
+    """Tokenize the stream, run every method of cfg, summarize."""
+    if "full" in cfg.methods and cfg.num_tokens > loaded.config.max_position_embeddings:
+        raise ValueError(f"--num-tokens {cfg.num_tokens} exceeds the model's context "
+                         f"{loaded.config.max_position_embeddings} (method full)")
+    bos = loaded.config.bos_token_id if loaded.config.add_bos_token else None
+    tokens = load_token_stream(loaded.tokenizer, data, cfg.num_tokens, bos)
+    targets = subsample_targets(cfg.num_tokens, cfg.recompute_positions)
+    results = [run_method(loaded, tokens, m, cfg, targets, progress) for m in cfg.methods]
+    meta = {"model": str(loaded.source), "dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch."),
+            "data": str(data), "bos_once": bos is not None, "threads": torch.get_num_threads()}
+    return StreamReport(results, summarize(results, targets, cfg.num_tokens), targets, meta)
+
+
+def main(args: argparse.Namespace) -> int:
+    cfg = StreamEvalConfig(num_tokens=args.num_tokens, sinks=args.sinks, window=args.window, chunk=args.chunk,
+                           methods=parse_methods(args.methods), recompute_positions=args.recompute_positions)
+    data = Path(args.data).expanduser() if args.data else default_data_path()
+    if not data.is_file():  # before the (slow) model load
+        raise ValueError(f"--data: WikiText-2 file {data} not found (pass --data PATH)")
+    loaded = load_model(args.model, dtype=args.dtype)
+    t0 = time.perf_counter()
+    report = evaluate(loaded, cfg, data)
+    print(f"{report.meta['model']} ({report.meta['dtype']}), {cfg.num_tokens} tokens of {data.name} "
+          f"(BOS once at the start), chunk {cfg.chunk}, subsample of {report.targets.numel()} positions, "
+          f"{time.perf_counter() - t0:.0f} s")
+    print(format_table(report.rows, cfg.num_tokens, report.targets.numel()))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        doc = to_json(report.results, report.rows, report.targets, cfg, report.meta)
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+    if args.plot:
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        plot(report.results, report.targets, cfg, args.plot)
+    return 0

@@ -1,0 +1,17 @@
+"""Speculative decoding building blocks: the lossless acceptance rule and an n-gram proposer."""
+
+from kvserve.spec.ngram import NgramProposer
+from kvserve.spec.rejection import (
+    SpecVerifyResult,
+    processed_probs,
+    rejection_sample,
+    sample_probs,
+)
+
+__all__ = [
+    "NgramProposer",
+    "SpecVerifyResult",
+    "processed_probs",
+    "rejection_sample",
+    "sample_probs",
+]
