@@ -16,6 +16,27 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-gib", type=float, default=None, help="KV pool size in GiB")
     p.add_argument("--max-model-len", type=int, default=None, help="context window cap")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    _add_speculative_args(p)
+
+
+def _add_speculative_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding (lossless)")
+    g.add_argument("--speculative", choices=["ngram", "draft", "self"], default=None,
+                   help="proposer: ngram (prompt lookup), draft (--speculative-model), self (a cheaper copy of the target)")
+    g.add_argument("--num-speculative-tokens", type=int, default=4, help="k tokens proposed and verified per step")
+    g.add_argument("--speculative-model", default=None, help="draft model (GGUF or HF folder) sharing the tokenizer")
+    g.add_argument("--ngram-min", type=int, default=1, help="shortest suffix n-gram to look up")
+    g.add_argument("--ngram-max", type=int, default=4, help="longest suffix n-gram to look up (tried first)")
+    g.add_argument("--self-draft-layers", type=int, default=None, help="self draft: early exit after L layers")
+    g.add_argument("--self-draft-dtype", default=None,
+                   help="self draft: a copy of the target in this dtype (default bfloat16 for a float32 target)")
+
+
+def speculative_config(args: argparse.Namespace) -> dict:
+    """EngineConfig fields from the speculative flags."""
+    return dict(speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+                speculative_model=args.speculative_model, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+                self_draft_layers=args.self_draft_layers, self_draft_dtype=args.self_draft_dtype)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -82,6 +103,24 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--hf-batch-sizes", type=_int_list, default=[], help="comma list; empty = skip HF")
     tp.add_argument("--plot", default=None, help="PNG of throughput vs --max-num-seqs")
     tp.add_argument("--json", default=None)
+    sp = bench.add_parser("spec", help="speculative decoding vs plain decoding: acceptance, tok/s, speedup per k")
+    sp.add_argument("--model", default=None)
+    sp.add_argument("--dtype", default="float32")
+    sp.add_argument("--proposers", default="ngram,self", help="comma list of ngram, self, draft")
+    sp.add_argument("--k", type=_int_list, default=[1, 2, 4, 6, 8], help="comma list of speculative token counts")
+    sp.add_argument("--batch", type=_int_list, default=[1, 8], help="comma list of batch sizes")
+    sp.add_argument("--workload", default="grounded", help="grounded (repeat / summarize a document) or free")
+    sp.add_argument("--num-prompts", type=_positive, default=8)
+    sp.add_argument("--doc-words", type=_positive, default=200, help="words of WikiText per prompt")
+    sp.add_argument("--output-len", type=_positive, default=96)
+    sp.add_argument("--temperature", type=float, default=0.0)
+    sp.add_argument("--rounds", type=_positive, default=2, help="interleaved rounds; medians are reported")
+    sp.add_argument("--speculative-model", default=None, help="draft model for --proposers draft")
+    sp.add_argument("--kv-cache-gib", type=float, default=0.5, help="KV pool per engine (one per configuration)")
+    sp.add_argument("--dataset-path", default=None, help="text file (default: shared/data/wikitext2/wiki.test.raw)")
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--json", default=None)
+    sp.add_argument("--plot", default=None, help="PNG of speedup vs k per proposer and batch size")
     lt = bench.add_parser("latency", help="one request: TTFT, prefill tok/s, batch-1 decode tok/s vs the bandwidth bound")
     lt.add_argument("--model", default=None)
     lt.add_argument("--dtype", default="float32")
@@ -144,6 +183,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             if lo > hi:
                 raise ValueError(f"--{name.replace('_', '-')}: MIN {lo} > MAX {hi}")
         return throughput(args)
+    if args.bench == "spec":
+        from kvserve.bench.spec import main as spec_main
+
+        return spec_main(args)
     if args.bench == "latency":
         from kvserve.bench.latency import main as latency
 
@@ -179,7 +222,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = _sampling_params(args)  # validate before the (slow) model load
     llm = LLM(args.model, device=args.device, dtype=args.dtype, use_kv_cache=not args.no_kv_cache,
               kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len, num_threads=args.threads,
-              max_num_seqs=1)
+              max_num_seqs=1, **speculative_config(args))
     t_loaded = time.perf_counter()
     final = None
     for out in llm.stream(args.prompt, params):
@@ -213,7 +256,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = EngineConfig(model=args.model_path or args.model, device=args.device, dtype=args.dtype,
                           use_kv_cache=not args.no_kv_cache, kv_cache_gib=args.kv_cache_gib,
                           max_model_len=args.max_model_len, num_threads=args.threads,
-                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                          **speculative_config(args))
     limits = {k: getattr(args, k) for k in ("max_queue", "max_body_bytes") if getattr(args, k) is not None}
     opts = ServeOptions(host=args.host, port=args.port, served_model_name=args.served_model_name,
                         api_key=args.api_key, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,

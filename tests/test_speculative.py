@@ -245,3 +245,24 @@ def test_block_manager_trim_returns_only_rejected_blocks():
     assert len(seq.block_table) == 2 and bm.num_free_blocks == 6
     bm.check_invariants([seq])
     assert math.isclose(bm.usage(), 2 / 8)
+
+
+def test_server_streams_speculative_tokens_and_exports_acceptance(gemma):
+    """`kvserve serve --speculative ngram`: a streamed completion equals the plain one, several
+    tokens may arrive per chunk, and /metrics exports vLLM's spec_decode counters."""
+    import httpx
+    import openai
+
+    from tests.server_harness import live_server, make_engine
+
+    prompt = PROMPTS[0]
+    want = LLM(loaded=gemma, kv_cache_gib=0.25).generate(prompt, SamplingParams(temperature=0, max_tokens=24))[0]
+    with live_server(make_engine(gemma, kv_cache_gib=0.25, speculative="ngram", num_speculative_tokens=4)) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        chunks = [c.choices[0].text for c in client.completions.create(
+            model="test-model", prompt=prompt, max_tokens=24, temperature=0, stream=True) if c.choices]
+        metrics = httpx.get(server.url + "/metrics").text
+    assert "".join(chunks) == want.outputs[0].text
+    assert len([c for c in chunks if c]) < 24  # accepted drafts arrive together
+    accepted = [line for line in metrics.splitlines() if line.startswith("kvserve:spec_decode_num_accepted_tokens_total")]
+    assert accepted and float(accepted[0].split()[-1]) > 0

@@ -42,6 +42,10 @@ _COUNTERS = {
     "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
     "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
     "num_preemptions": ("num_preemptions", "Sequences preempted (by recompute) for lack of KV blocks."),
+    # Speculative decoding (0 when off); acceptance rate = accepted / draft tokens.
+    "spec_num_drafts": ("spec_decode_num_drafts", "Verification steps of speculating sequences."),
+    "spec_num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens proposed and verified."),
+    "spec_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
 }
 
 
