@@ -547,8 +547,8 @@ def shared_prompt(r: int) -> list[int]:
     return (system + suffix) or [0]
 
 
-@settings(max_examples=200, deadline=None)
-@given(
+# Strategies of the shared-prefix workloads (with and without speculative steps).
+SHARED_PREFIX_WORKLOAD = dict(
     ops=st.lists(st.tuples(st.sampled_from(OPS + ["add"]), st.integers(0, 10**6)), min_size=10, max_size=50),
     num_blocks=st.integers(6, 24),
     block_size=st.sampled_from([1, 2, 4]),
@@ -557,6 +557,10 @@ def shared_prompt(r: int) -> list[int]:
     chunked=st.booleans(),
     seed=st.integers(0, 3),
 )
+
+
+@settings(max_examples=200, deadline=None)
+@given(**SHARED_PREFIX_WORKLOAD)
 def test_random_shared_prefix_workloads_keep_invariants_and_finish(ops, num_blocks, block_size, max_num_seqs,
                                                                   budget, chunked, seed):
     eng = run_random_workload(ops, shared_prompt, num_blocks, block_size, max_num_seqs, budget, chunked, seed)
@@ -565,17 +569,7 @@ def test_random_shared_prefix_workloads_keep_invariants_and_finish(ops, num_bloc
 
 
 @settings(max_examples=200, deadline=None)
-@given(
-    ops=st.lists(st.tuples(st.sampled_from(OPS + ["add"]), st.integers(0, 10**6)), min_size=10, max_size=50),
-    num_blocks=st.integers(6, 24),
-    block_size=st.sampled_from([1, 2, 4]),
-    max_num_seqs=st.integers(1, 6),
-    budget=st.integers(1, 16),
-    chunked=st.booleans(),
-    seed=st.integers(0, 3),
-    spec_k=st.integers(1, 5),
-    draft_cache=st.booleans(),
-)
+@given(**SHARED_PREFIX_WORKLOAD, spec_k=st.integers(1, 5), draft_cache=st.booleans())
 def test_random_speculative_workloads_roll_back_without_leaks(ops, num_blocks, block_size, max_num_seqs, budget,
                                                               chunked, seed, spec_k, draft_cache):
     """Speculative steps (k draft slots, a random number accepted) on shared-prefix workloads:

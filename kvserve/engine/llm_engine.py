@@ -132,11 +132,8 @@ class LLMEngine:
             s.extra["generator"] = self._generator(params, s.index)
             s.extra["detok"] = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
             s.extra["stop"] = StopChecker(params, self.tokenizer.eos_token_ids, self.max_model_len)
-            if self.drafter is not None:
-                # Penalties depend on every token before a position: such requests decode plainly.
-                s.extra["no_spec"] = _needs_penalties(params)
-                if self.draft_runner is not None and not s.extra["no_spec"]:
-                    s.num_draft_computed = 0
+            if self.draft_runner is not None and not _needs_penalties(params):
+                s.num_draft_computed = 0  # its draft cache starts empty (a prefix hit fills it)
         req = _Request(request_id, prompt if isinstance(prompt, str) else None, ids, params, seqs,
                        RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(ids)))
         self.requests[request_id] = req
@@ -298,8 +295,7 @@ class LLMEngine:
         if not copy:  # early exit on the target itself: its K/V for those layers are the draft's
             log.info("self-speculative draft: early exit after %d of %d layers", layers, mc.num_layers)
             return ModelDrafter(self.runner, num_layers=exit_at)
-        weights = {k: v for k, v in self.loaded.model.state_dict().items()}
-        draft = build_model(mc, weights, dtype, cfg.device, self.loaded.source)
+        draft = build_model(mc, self.loaded.model.state_dict(), dtype, cfg.device, self.loaded.source)
         return self._separate_drafter(draft, layers, f"self draft ({dtype}, {layers} of {mc.num_layers} layers)",
                                       exit_at)
 
@@ -314,9 +310,9 @@ class LLMEngine:
 
     def _spec_budget(self, seq: Sequence) -> int:
         """Draft tokens seq may be verified with next step: never more than it may still emit."""
-        if self.drafter is None or seq.extra.get("no_spec"):
-            return 0
         p = seq.params
+        if self.drafter is None or _needs_penalties(p):
+            return 0  # penalties depend on every token before a position: decode plainly
         if len(seq.output_token_ids) < p.min_tokens:
             return 0  # eos is masked per position until then: plain sampling handles it
         left = self.max_model_len if p.max_tokens is None else p.max_tokens - len(seq.output_token_ids)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.sampling.sampler import filter_logits
+from kvserve.sampling.sampler import filter_logits, sample_from_probs
 from kvserve.sampling_params import SamplingParams
 
 
@@ -42,33 +42,14 @@ def processed_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
 def sample_probs(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     """Draw one token per row of probs [M, V] (non-negative, row sums > 0); returns [M] long.
 
-    Rows need not be normalised: the draw is scaled by each row's total. Inverse CDF with one
-    float64 uniform per row, like the normal sampler; a seeded row draws from its own
-    generator (so its token does not depend on the other rows), unseeded rows from the global
-    torch RNG. A probability-0 token is never returned.
+    The normal sampler's inverse-CDF draw (`sample_from_probs`): rows need not be normalised,
+    a seeded row draws from its own generator, a probability-0 token is never returned.
     """
     if probs.dim() != 2 or probs.shape[0] != len(generators):
         raise ValueError(
             f"probs must be [M, V] with M={len(generators)} rows, got {tuple(probs.shape)}"
         )
-    m, vocab = probs.shape
-    u = torch.empty(m, dtype=torch.float64, device=probs.device)
-    unseeded = [i for i, g in enumerate(generators) if g is None]
-    if unseeded:
-        u[torch.tensor(unseeded, device=probs.device)] = torch.rand(
-            len(unseeded), dtype=torch.float64, device=probs.device
-        )
-    for i, gen in enumerate(generators):
-        if gen is not None:
-            u[i] = torch.rand((), dtype=torch.float64, device=probs.device, generator=gen)
-    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
-    # right=True: the first index whose cdf exceeds the target, so a p=0 token is never hit.
-    tokens = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
-    overflow = tokens >= vocab  # u * total rounded up to the total
-    if bool(overflow.any()):
-        last_kept = vocab - 1 - (probs > 0).flip(-1).int().argmax(dim=-1)
-        tokens = torch.where(overflow, last_kept, tokens)
-    return tokens
+    return sample_from_probs(probs, generators)
 
 
 @dataclass
