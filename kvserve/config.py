@@ -31,6 +31,11 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     use_kv_cache: bool = True  # False: recompute the whole sequence every step (the O(T^2) baseline)
     num_threads: int | None = None  # torch intra-op threads; None = leave torch's default
+    # Sliding-window layers give back the KV blocks that fall wholly out of their window (one
+    # block table per layer group, see kvserve/model/config.py `kv_layer_groups`). False = every
+    # layer keeps every block (one table), the behaviour before; also off without a KV cache
+    # and with a separate draft model (speculative="draft").
+    sliding_window_release: bool = True
     # Speculative decoding: None (off), "ngram" (prompt lookup), "draft" (a smaller model sharing
     # the tokenizer) or "self" (the target's own first layers: early exit).
     speculative: str | None = None
@@ -63,7 +68,7 @@ class EngineConfig:
             self.kv_cache_gib = _default_kv_cache_gib()
         if isinstance(self.kv_cache_gib, bool) or not isinstance(self.kv_cache_gib, (int, float)) or not self.kv_cache_gib > 0:
             raise ValueError(f"kv_cache_gib must be a positive number, got {self.kv_cache_gib!r}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "use_kv_cache"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "use_kv_cache", "sliding_window_release"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         self._check_speculative()

@@ -37,7 +37,12 @@ class Sequence:
     # Tokens whose K/V are in the cache. Prefill chunks and decodes advance it; preemption
     # by recompute resets it to 0.
     num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)  # logical block i -> physical block id
+    # Logical block i -> physical block (page) id, for KV layer group 0: the full-attention group
+    # when the model has one. With several layer groups (sliding-window release), the tables of
+    # groups 1.. sit in `group_block_tables`; a sliding group's entries for blocks that fell out
+    # of its window are NULL_BLOCK (-1). All tables of a sequence have the same length.
+    block_table: list[int] = field(default_factory=list)
+    group_block_tables: list[list[int]] = field(default_factory=list)
     # Speculative decoding. The engine sets how many draft tokens this sequence may be verified
     # with next step (0 = plain decoding); the scheduler reserves that many extra slots.
     max_spec_tokens: int = 0
@@ -58,6 +63,11 @@ class Sequence:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def block_tables(self) -> list[list[int]]:
+        """Every layer group's block table, group 0 first (the lists themselves, not copies)."""
+        return [self.block_table, *self.group_block_tables]
 
     @property
     def num_tokens(self) -> int:

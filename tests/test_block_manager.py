@@ -12,7 +12,7 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from kvserve.engine.block_manager import BlockManager
+from kvserve.engine.block_manager import NULL_BLOCK, BlockManager
 from kvserve.sequence import Sequence
 
 
@@ -34,7 +34,8 @@ def make_seq(prompt: list[int], salt=None) -> Sequence:
 
 
 class FakeKV:
-    """The model runner's side: copies blocks, writes tokens at their slots, reads them back."""
+    """The model runner's side: copies blocks, writes tokens at their slots (in every layer
+    group's table), reads them back."""
 
     def __init__(self, bm: BlockManager):
         self.bm, self.slots = bm, {}
@@ -49,14 +50,20 @@ class FakeKV:
         """Write positions [computed, computed + n) and advance, like a forward pass."""
         toks = seq.all_token_ids
         for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
-            self.slots[self.bm.slot(seq, p)] = toks[p]
+            for g in range(self.bm.num_groups):
+                self.slots[self.bm.slot(seq, p, g)] = toks[p]
         seq.num_computed_tokens += n
         self.bm.mark_computed(seq)
 
     def check(self, seq: Sequence) -> None:
-        toks = seq.all_token_ids
-        got = [self.slots.get(self.bm.slot(seq, p)) for p in range(seq.num_computed_tokens)]
-        assert got == toks[: seq.num_computed_tokens], f"seq {seq.seq_id} reads wrong KV"
+        """Every position the next query may read, in every group, holds seq's own token: all
+        of them in a full group, the last W - 1 before the next query in a sliding one (reading
+        a released position raises)."""
+        toks, n = seq.all_token_ids, seq.num_computed_tokens
+        for g, w in enumerate(self.bm.group_windows):
+            lo = 0 if w is None else max(0, n - w + 1)
+            got = [self.slots.get(self.bm.slot(seq, p, g)) for p in range(lo, n)]
+            assert got == toks[lo:n], f"seq {seq.seq_id} reads wrong KV in group {g}"
 
 
 def run_prefill(bm: BlockManager, kv: FakeKV, seq: Sequence) -> int:
@@ -355,6 +362,155 @@ def test_check_invariants_catches_a_stale_in_flight_entry():
         bm.check_invariants([a])
 
 
+# ---- layer groups and sliding-window release ---------------------------------------------
+def test_sliding_groups_release_blocks_that_left_the_window():
+    bm = BlockManager(64, block_size=4, group_windows=(None, 6, 6))
+    kv = FakeKV(bm)
+    a = make_seq(list(range(30)))
+    for n in (5, 7, 9, 9):  # chunked prefill: 30 tokens
+        bm.allocate(a, n)
+        kv.forward(a, n)
+        kv.check(a)
+        bm.check_invariants([a])
+        released = max(0, a.num_computed_tokens - 6 + 1) // 4  # blocks wholly before the next query's window
+        assert a.block_tables[1][:released] == [NULL_BLOCK] * released == a.block_tables[2][:released]
+        assert NULL_BLOCK not in a.block_table + a.block_tables[1][released:]
+        assert bm.seq_blocks(a) == 3 * bm.blocks_for(a.num_computed_tokens) - 2 * released
+        assert bm.num_free_blocks == 64 - bm.seq_blocks(a)
+    assert a.num_computed_tokens == 30 and a.block_tables[1].count(NULL_BLOCK) == 6  # 25 // 4
+    with pytest.raises(ValueError, match="released"):
+        bm.slot(a, 3, group=1)
+    bm.free(a)
+    assert bm.num_free_blocks == 64 and not a.group_block_tables
+    bm.check_invariants([])
+
+
+def test_prefix_hit_needs_only_the_window_blocks_of_sliding_groups():
+    bm = BlockManager(64, block_size=4, group_windows=(None, 6))
+    kv = FakeKV(bm)
+    a = make_seq(list(range(25)))
+    run_prefill(bm, kv, a)
+    assert a.block_tables[1][:5] == [NULL_BLOCK] * 5  # released, but still registered (cached free pool)
+    bm.free(a)
+    b = make_seq(list(range(25)) + [99])
+    # 6 full blocks hit; the first recomputed token (position 24) reads positions 19.. : blocks 4, 5.
+    assert bm.num_cached_tokens(b) == 24
+    assert bm.allocate(b, 2) == 24
+    assert b.block_tables[1][:4] == [NULL_BLOCK] * 4 and NULL_BLOCK not in b.block_tables[1][4:]
+    kv.forward(b, 2)
+    kv.check(b)
+    bm.check_invariants([b])
+    bm.free(b)
+    # Evict group 1's block 5: a hit of 6 blocks is no longer possible; 5 blocks need blocks 3, 4.
+    c = make_seq(list(range(25)) + [98])
+    page5 = bm._hash_to_block[1][bm._hashes(c, 6)[5]]
+    del bm._free_cached[page5]
+    bm._unregister(page5)
+    bm._free_plain.append(page5)
+    assert bm.num_cached_tokens(c) == 20
+    # Without group 1's block 3 as well, no hit ends inside blocks 4..5: the longest is 3 blocks.
+    page3 = bm._hash_to_block[1][bm._hashes(c, 6)[3]]
+    del bm._free_cached[page3]
+    bm._unregister(page3)
+    bm._free_plain.append(page3)
+    assert bm.num_cached_tokens(c) == 12
+    bm.allocate(c, c.num_tokens - 12)
+    kv.forward(c, c.num_tokens - 12)
+    kv.check(c)
+    bm.check_invariants([c])
+    # A window of 1 reads no earlier position, yet a hit still needs the block before it cached:
+    # a hit is never made of nothing.
+    w1 = BlockManager(16, block_size=4, group_windows=(1,))
+    assert w1.num_cached_tokens(make_seq(list(range(9)))) == 0
+    run_prefill(w1, FakeKV(w1), make_seq(list(range(9))))
+    d = make_seq(list(range(9)))
+    assert w1.num_cached_tokens(d) == 8 and w1.allocate(d, 1) == 8 and d.block_table[0] == NULL_BLOCK
+
+
+def test_fork_copy_on_write_and_trim_cover_every_group():
+    bm = BlockManager(40, block_size=4, group_windows=(None, 5, 5))
+    kv = FakeKV(bm)
+    parent = make_seq(list(range(14)))
+    run_prefill(bm, kv, parent)
+    child = make_seq(parent.prompt_token_ids)
+    bm.fork(parent, child)
+    assert child.block_tables == parent.block_tables and NULL_BLOCK in child.block_tables[1]
+    bm.check_invariants([parent, child])
+    parent.append_token(7, 0.0)
+    child.append_token(8, 0.0)
+    bm.allocate(parent, 1)  # position 14 is in the shared partial block 3 of every group
+    copies = bm.take_block_copies()
+    assert len(copies) == 3 and all(src == t[3] for (src, _), t in zip(copies, child.block_tables))
+    kv.copy(copies)
+    kv.forward(parent, 1)
+    bm.allocate(child, 1)
+    assert bm.take_block_copies() == []
+    kv.forward(child, 1)
+    kv.check(parent), kv.check(child)
+    bm.check_invariants([parent, child])
+    # Speculative rollback: 1 + 6 draft slots allocated, 1 accepted; every group is trimmed.
+    bm.allocate(child, 7)
+    assert {len(t) for t in child.block_tables} == {6}
+    child.append_token(9, 0.0)
+    child.num_computed_tokens += 1
+    bm.trim(child)
+    bm.mark_computed(child)
+    assert {len(t) for t in child.block_tables} == {bm.blocks_for(child.num_computed_tokens)}
+    bm.check_invariants([parent, child])
+    bm.free(parent), bm.free(child)
+    assert bm.num_free_blocks == 40
+    bm.check_invariants([])
+
+
+def test_a_lagging_draft_cache_holds_release_back():
+    bm = BlockManager(40, block_size=4, group_windows=(None, 5))
+    a = make_seq(list(range(20)))
+    a.num_draft_computed = 0
+    bm.allocate(a, 20)
+    a.num_computed_tokens = 20
+    bm.mark_computed(a)
+    assert NULL_BLOCK not in a.block_tables[1]  # the draft model still has to read everything
+    a.num_draft_computed = 13
+    bm.mark_computed(a)
+    assert a.block_tables[1][:2] == [NULL_BLOCK] * 2 and a.block_tables[1][2] != NULL_BLOCK  # (13 - 5 + 1) // 4
+    bm.check_invariants([a])
+
+
+def test_peak_blocks_and_the_longest_lone_sequence():
+    bm = BlockManager(100, block_size=16, group_windows=(None,) + (512,) * 5)
+    # 8K tokens fed in 2048-token chunks: the full group holds 512 blocks, a sliding group at most
+    # the chunk plus the 511 positions before it (161 blocks).
+    assert bm.peak_blocks(8192, 2048) == 512 + 5 * 161
+    assert bm.peak_blocks(8192, 2048, keep_all=True) == 6 * 512
+    assert bm.peak_blocks(100, 2048) == 6 * 7
+    one = BlockManager(100, block_size=16)
+    assert one.peak_blocks(8192, 2048) == 512 and one.max_tokens_per_seq(2048) == 1600
+    big = BlockManager(6000, block_size=16, group_windows=(None,) + (512,) * 5)
+    longest = big.max_tokens_per_seq(64)
+    assert big.peak_blocks(longest, 64) <= 6000 < big.peak_blocks(longest + 1, 64)
+    assert big.max_tokens_per_seq(64, keep_all=True) == 1000 * 16
+    assert BlockManager(10, 4, group_windows=(8,)).max_tokens_per_seq(4) is None  # every layer slides
+    # A hit keeps the block before the first recomputed token even for a window of 1.
+    w1 = BlockManager(16, block_size=4, group_windows=(None, 1))
+    run_prefill(w1, FakeKV(w1), make_seq(list(range(13))))
+    b = make_seq(list(range(13)))
+    assert w1.allocate(b, 1) == 12
+    assert w1.seq_blocks(b) == 4 + 2 == w1.peak_blocks(13, 1)
+
+
+def test_check_invariants_catches_a_released_block_the_window_needs():
+    bm = BlockManager(32, block_size=2, group_windows=(None, 3))
+    a = make_seq(list(range(10)))
+    bm.allocate(a, 10)
+    a.num_computed_tokens = 10
+    bm.mark_computed(a)
+    bm.check_invariants([a])
+    assert a.block_tables[1][:4] == [NULL_BLOCK] * 4
+    a.num_computed_tokens = 7  # as if the window still needed block 3
+    with pytest.raises(AssertionError, match="still needs"):
+        bm.check_invariants([a])
+
+
 # ---- random operation sequences ---------------------------------------------------------
 OPS = ["new", "step", "step", "step", "append", "append", "fork", "free"]
 ops = st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 10**6)), min_size=20, max_size=60)
@@ -409,11 +565,33 @@ def probe_pending(bm: BlockManager, kv: FakeKV, live: list[Sequence], r: int) ->
             todo.append((s, stop - s.num_computed_tokens))
     for s, n in todo:
         kv.forward(s, n)
-    assert bm.num_cached_tokens(w) >= cached + pending
+    if bm.num_groups == 1:
+        assert bm.num_cached_tokens(w) >= cached + pending
+    else:  # group 0 has the pending blocks now; other groups may lack a block cached behind them
+        lo, hi = cached // bm.block_size, (cached + pending) // bm.block_size
+        assert all(h in bm._hash_to_block[0] for h in bm._hashes(w, hi)[lo:hi])
 
 
-def run_random_ops(ops, prompt_of, block_size: int, num_blocks: int) -> None:
-    bm = BlockManager(num_blocks, block_size)
+# Layer groups: a full group beside sliding ones (Gemma 3), and a model whose layers all slide.
+WINDOWS = st.sampled_from([1, 2, 3, 5, 8])
+group_windows = st.one_of(WINDOWS.map(lambda w: (None, w, w)), WINDOWS.map(lambda w: (w,)),
+                          WINDOWS.map(lambda w: (None, None, w, w)))
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=ops, block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(3, 60), windows=group_windows)
+def test_random_ops_with_sliding_groups_keep_invariants(ops, block_size, num_blocks, windows):
+    run_random_ops(ops, lambda r: (STEMS[r % 3] * 3)[: 1 + (r >> 2) % 27], block_size, num_blocks, windows)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=shared_ops, block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(6, 80), windows=group_windows)
+def test_random_shared_prefixes_with_sliding_groups_keep_invariants(ops, block_size, num_blocks, windows):
+    run_random_ops(ops, lambda prompt: prompt, block_size, num_blocks, windows)
+
+
+def run_random_ops(ops, prompt_of, block_size: int, num_blocks: int, windows=(None,)) -> None:
+    bm = BlockManager(num_blocks, block_size, group_windows=windows)
     kv = FakeKV(bm)
     live: list[Sequence] = []
     for op, r in ops:
@@ -433,6 +611,8 @@ def run_random_ops(ops, prompt_of, block_size: int, num_blocks: int) -> None:
                     free_before = bm.num_free_blocks
                     assert bm.allocate(seq, n) == cached
                     assert first or cached == 0
+                    if cached and any(NULL_BLOCK in t for t in seq.block_tables):
+                        event("prefix hit holding only the window's blocks")
                     copies = bm.take_block_copies()
                     assert free_before - bm.num_free_blocks >= len(copies)
                     kv.copy(copies)
@@ -441,6 +621,8 @@ def run_random_ops(ops, prompt_of, block_size: int, num_blocks: int) -> None:
                         event("prefix hit")
                     if copies:
                         event("copy-on-write")
+                    if any(NULL_BLOCK in t for t in seq.block_tables):
+                        event("sliding-window release")
             elif op == "alloc" and seq.num_uncomputed_tokens > 0:
                 # Allocate a chunk but do not compute it yet, like schedule() before update():
                 # its full prompt blocks are in flight until a later "step" computes them.

@@ -170,6 +170,30 @@ def test_chunked_equals_literal_token_by_token_gemma(gemma, gemma_tokens):
     assert diff < 1e-3, f"max abs NLL diff {diff}"
 
 
+def test_recompute_contexts(tiny):
+    """recompute: token t from a fresh pass over the B tokens before it (positions 0..B-1);
+    recompute-bos: the same with BOS in place of the oldest one; both are full attention while
+    the context reaches the stream's start."""
+    bos, budget = 2, 24
+    text = torch.randint(3, VOCAB, (99,), generator=torch.Generator().manual_seed(6))
+    tokens = torch.cat([torch.tensor([bos]), text])
+    targets = torch.tensor([5, budget, 60, 99])
+    plain, _ = ev.recompute_nll(tiny.model, tokens, targets, budget, progress=False)
+    with_bos, _ = ev.recompute_nll(tiny.model, tokens, targets, budget, bos=bos, progress=False)
+
+    def nll_last(ids: torch.Tensor, target: int) -> float:
+        logits = all_position_logits(tiny, ids.tolist())[-1]
+        return float(torch.logsumexp(logits, -1) - logits[target])
+
+    for i, t in enumerate(targets.tolist()):
+        ctx = tokens[max(0, t - budget):t]
+        assert abs(plain[i] - nll_last(ctx, int(tokens[t]))) < 1e-4
+        if t > budget:
+            ctx = torch.cat([torch.tensor([bos]), ctx[1:]])
+        assert abs(with_bos[i] - nll_last(ctx, int(tokens[t]))) < 1e-4
+    assert torch.equal(plain[:2], with_bos[:2])  # contexts that reach the start are the same
+
+
 # --- positions inside the cache ------------------------------------------------------------------
 
 def test_positions_are_ranks_in_the_cache():
@@ -259,11 +283,11 @@ def test_cli_smoke_writes_table_json_and_png(cli_model, tmp_path, capsys):
                "--recompute-positions", "4", "--data", str(DATA), "--json", str(out_json), "--plot", str(out_png)])
     assert rc == 0
     out = capsys.readouterr().out
-    for method in ev.METHODS:
+    for method in ev.DEFAULT_METHODS:
         assert f"| {method} |" in out
     doc = json.loads(out_json.read_text())
     assert doc["config"]["budget"] == 104 and doc["bos_once"] is True
-    assert set(doc["methods"]) == set(ev.METHODS)
+    assert set(doc["methods"]) == set(ev.DEFAULT_METHODS)
     assert doc["methods"]["sinks"]["cache_max_tokens_per_layer"] <= 104 + 128
     assert doc["methods"]["full"]["cache_max_tokens_per_layer"] == 300
     assert len(doc["methods"]["recompute"]["nll_subsample"]) == 4

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from kvserve.engine.block_manager import BlockManager
+from kvserve.engine.block_manager import NULL_BLOCK, BlockManager
 from kvserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from kvserve.sequence import Sequence, SequenceStatus
 
@@ -49,6 +49,7 @@ class Engine:
         self.errors: list[Sequence] = []
         self.num_copies = 0
         self.num_passed_over = 0  # steps that held back some sequence on an in-flight prefix
+        self.num_released = 0  # checks that found a sliding group's released block in some table
 
     def live(self) -> list[Sequence]:
         return self.sched.running + list(self.sched.waiting)
@@ -65,13 +66,16 @@ class Engine:
         pending = {q.seq_id for q in s.waiting if bm.num_pending_prefix_tokens(q) > 0}
         out = s.schedule()
         self._check_output(out, old_running, decodes)
+        for x in out.scheduled:  # what rejection and the context cap assume a sequence can need
+            assert bm.seq_blocks(x.seq) <= bm.peak_blocks(x.start + x.num_tokens, s.max_num_batched_tokens,
+                                                          keep_all=x.seq.num_draft_computed is not None)
         admitted = {q.seq_id for q in s.running} - {q.seq_id for q in old_running}
         assert not admitted & pending, "admitted a sequence whose prefix was still in flight"
         # Counts steps that ended with some waiting sequence held back on an in-flight prefix.
         self.num_passed_over += any(bm.num_pending_prefix_tokens(q) > 0 for q in s.waiting)
         self.errors += out.finished_with_error
         self.num_copies += len(out.block_copies)
-        # The runner: copies first, then writes this step's K/V at the slots.
+        # The runner: copies first, then writes this step's K/V at the slots of every layer group.
         bs = bm.block_size
         for src, dst in out.block_copies:
             for off in range(bs):
@@ -81,7 +85,8 @@ class Engine:
         for x in out.scheduled:
             toks = x.seq.all_token_ids[: x.start + x.num_tokens - x.num_spec] + drafts.get(id(x), [])
             for p in range(x.start, x.start + x.num_tokens):
-                self.slots[bm.slot(x.seq, p)] = toks[p]
+                for g in range(bm.num_groups):
+                    self.slots[bm.slot(x.seq, p, g)] = toks[p]
             if x.num_spec:  # verification keeps a random prefix of the drafts, appended before
                 x.num_rejected = x.num_spec - self.rng.randrange(x.num_spec + 1)  # update (as the engine)
                 self.num_rejected += x.num_rejected
@@ -108,7 +113,8 @@ class Engine:
         if q.num_draft_computed is not None and k:
             toks = q.all_token_ids + drafts
             for p in range(q.num_draft_computed, q.num_tokens + k - 1):
-                self.draft_slots[self.bm.slot(q, p)] = toks[p]
+                for g in range(self.bm.num_groups):
+                    self.draft_slots[self.bm.slot(q, p, g)] = toks[p]
             q.num_draft_computed = q.num_tokens + k - 1
         return drafts
 
@@ -152,13 +158,20 @@ class Engine:
         self.bm.check_invariants(live)
         for q in self.sched.running:
             toks = q.all_token_ids
-            got = [self.slots.get(self.bm.slot(q, p)) for p in range(q.num_computed_tokens)]
-            assert got == toks[: q.num_computed_tokens], f"seq {q.seq_id} reads wrong KV"
-            if q.num_draft_computed is not None:  # a prefix hit must bring the draft's K/V too
-                got = [self.draft_slots.get(self.bm.slot(q, p)) for p in range(q.num_draft_computed)]
-                assert got == toks[: q.num_draft_computed], f"seq {q.seq_id} reads wrong draft KV"
+            # The next query of either cache comes at `basis` or later: a sliding group must still
+            # hold the W - 1 positions before it (reading a released position raises).
+            basis = q.num_computed_tokens if q.num_draft_computed is None else \
+                min(q.num_computed_tokens, q.num_draft_computed)
+            for g, w in enumerate(self.bm.group_windows):
+                lo = 0 if w is None else max(0, basis - w + 1)
+                got = [self.slots.get(self.bm.slot(q, p, g)) for p in range(lo, q.num_computed_tokens)]
+                assert got == toks[lo: q.num_computed_tokens], f"seq {q.seq_id} reads wrong KV in group {g}"
+                if q.num_draft_computed is not None:  # a prefix hit must bring the draft's K/V too
+                    got = [self.draft_slots.get(self.bm.slot(q, p, g)) for p in range(lo, q.num_draft_computed)]
+                    assert got == toks[lo: q.num_draft_computed], f"seq {q.seq_id} reads wrong draft KV"
         for q in self.sched.waiting:
-            assert not q.block_table and q.status is SequenceStatus.WAITING
+            assert not any(q.block_tables) and q.status is SequenceStatus.WAITING
+        self.num_released += any(NULL_BLOCK in t for q in self.sched.running for t in q.block_tables)
 
     def drain(self, max_steps: int = 5000) -> int:
         steps = 0
@@ -581,9 +594,63 @@ def test_random_speculative_workloads_roll_back_without_leaks(ops, num_blocks, b
         event("drafts rejected")
 
 
+# Layer groups: a full group beside sliding ones (Gemma 3), and a model whose layers all slide.
+group_windows = st.sampled_from([1, 2, 3, 5, 8]).flatmap(
+    lambda w: st.sampled_from([(None, w, w), (w,), (None, None, w, w, w)]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ops=st.lists(st.tuples(st.sampled_from(OPS + ["add"]), st.integers(0, 10**6)), min_size=10, max_size=50),
+    blocks_per_group=st.integers(2, 12),
+    block_size=st.sampled_from([1, 2, 4]),
+    max_num_seqs=st.integers(1, 6),
+    budget=st.integers(1, 16),
+    chunked=st.booleans(),
+    seed=st.integers(0, 3),
+    spec_k=st.integers(0, 4),
+    draft_cache=st.booleans(),
+    windows=group_windows,
+)
+def test_random_workloads_with_sliding_groups_keep_invariants_and_finish(ops, blocks_per_group, block_size,
+                                                                        max_num_seqs, budget, chunked, seed, spec_k,
+                                                                        draft_cache, windows):
+    """Layer groups with sliding-window release under the whole scheduler: chunked prefill,
+    prefix hits, forks, preemption, aborts and speculative rollback (with a lagging draft cache).
+    Every running sequence reads back its own tokens wherever a window needs them, requests that
+    can never fit are rejected (never wedged), and every block comes back."""
+    eng = run_random_workload(ops, shared_prompt, blocks_per_group * len(windows), block_size, max_num_seqs, budget,
+                              chunked, seed, spec_k=spec_k, draft_cache=draft_cache and spec_k > 0, windows=windows)
+    if eng.num_released:
+        event("sliding-window release")
+
+
+def test_rejection_counts_the_real_need_of_sliding_groups():
+    """A request too long for the pool if every group kept every block fits with release."""
+    windows = (None, 4, 4, 4)
+    bm = BlockManager(24, 2, group_windows=windows)  # 24 pages: 6 tokens of all four groups
+    sched = Scheduler(bm, max_num_batched_tokens=2, max_model_len=64)
+    eng = Engine(sched)
+    q = make_seq([1, 2, 3], max_tokens=20)  # 23 tokens: 12 full blocks + 3 x 3 sliding = 21 <= 24
+    sched.add(q)
+    assert q.status is SequenceStatus.WAITING
+    eng.drain()
+    assert q.status is SequenceStatus.FINISHED_LENGTH and len(q.output_token_ids) == 20
+    too_long = make_seq([1, 2, 3], max_tokens=25)  # 28 tokens in chunks of up to 8 (plus the 3 positions
+    sched.max_num_batched_tokens = 8  # before a chunk: 6 blocks per sliding group): 14 + 3 x 6 = 32 > 24
+    sched.add(too_long)
+    assert too_long.status is SequenceStatus.FINISHED_ERROR and "layer groups" in too_long.error
+    drafted = make_seq([1, 2, 3], max_tokens=20)
+    drafted.num_draft_computed = 0  # a lagging draft cache: nothing released until it catches up
+    sched.max_num_batched_tokens = 2
+    sched.add(drafted)
+    assert drafted.status is SequenceStatus.FINISHED_ERROR
+
+
 def run_random_workload(ops, prompt_of, num_blocks: int, block_size: int, max_num_seqs: int, budget: int,
-                        chunked: bool, seed: int, spec_k: int = 0, draft_cache: bool = False) -> Engine:
-    bm = BlockManager(num_blocks, block_size)
+                        chunked: bool, seed: int, spec_k: int = 0, draft_cache: bool = False,
+                        windows=(None,)) -> Engine:
+    bm = BlockManager(num_blocks, block_size, group_windows=windows)
     sched = Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                       max_model_len=24, enable_chunked_prefill=chunked, num_speculative_tokens=spec_k)
     eng = Engine(sched, seed, draft_cache)

@@ -22,6 +22,7 @@ from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.loading import LoadedModel, load_model
 from kvserve.loading.loader import build_model, resolve_dtype
 from kvserve.model.attention import KVCache
+from kvserve.model.config import LayerGroup, kv_layer_groups
 from kvserve.sampling import Sampler, SamplingRequest
 from kvserve.sampling.sampler import penalizes as _needs_penalties
 from kvserve.sampling.stop import IncrementalDetokenizer, StopChecker
@@ -62,22 +63,20 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         kv_dtype = next(self.loaded.model.parameters()).dtype
-        bytes_per_block = mc.kv_bytes_per_token(torch.finfo(kv_dtype).bits // 8) * cfg.block_size
-        self.num_blocks = max(1, int(cfg.kv_cache_gib * 2**30 // bytes_per_block))
-        pool_tokens = self.num_blocks * cfg.block_size
-        if self.max_model_len > pool_tokens:
-            # A sequence can never outgrow the pool; cap the context rather than fail mid-request.
-            log.warning("max_model_len %d exceeds the KV pool (%d tokens); capping it (raise --kv-cache-gib)",
-                        self.max_model_len, pool_tokens)
-            self.max_model_len = pool_tokens
+        self.layer_groups = self._layer_groups()
+        group_size = len(self.layer_groups[0].layers)
+        # A page: block_size tokens of K and V for one layer group's layers.
+        self.page_bytes = 2 * group_size * mc.num_kv_heads * mc.head_dim * kv_dtype.itemsize * cfg.block_size
+        self.num_blocks = max(len(self.layer_groups), int(cfg.kv_cache_gib * 2**30 // self.page_bytes))  # pages
         self.kv_cache = KVCache(mc.num_layers, self.num_blocks * cfg.block_size, mc.num_kv_heads, mc.head_dim,
-                                kv_dtype, cfg.device)
-        log.info("KV pool: %d blocks x %d tokens = %d tokens (%.2f GiB)", self.num_blocks, cfg.block_size,
-                 self.num_blocks * cfg.block_size, self.kv_cache.nbytes / 2**30)
+                                kv_dtype, cfg.device, layer_groups=[g.layers for g in self.layer_groups])
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, cfg.block_size, cfg.device)
         self.block_manager = BlockManager(self.num_blocks, cfg.block_size,
-                                          enable_prefix_caching=cfg.enable_prefix_caching and cfg.use_kv_cache)
+                                          enable_prefix_caching=cfg.enable_prefix_caching and cfg.use_kv_cache,
+                                          group_windows=[g.window for g in self.layer_groups])
         self.drafter = self._make_drafter()
+        self._cap_max_model_len()
+        self._log_pool()
         self.spec_stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -90,6 +89,37 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.clock = time.perf_counter  # the one monotonic clock for every timestamp
+
+    def _layer_groups(self) -> list[LayerGroup]:
+        """KV layer groups: with sliding-window release, full and sliding layers get separate
+        block tables so sliding ones can return their old blocks. Off without a KV cache (that
+        baseline recomputes from position 0 into the same blocks) and with a separate draft
+        model (its layers do not map onto the target's groups; it shares group 0's table)."""
+        cfg = self.config
+        release = cfg.sliding_window_release and cfg.use_kv_cache and cfg.speculative != "draft"
+        return kv_layer_groups(self.model_config, release)
+
+    def _cap_max_model_len(self) -> None:
+        """A lone sequence must always be able to run to its end: cap the context to what the
+        pool holds for one sequence at its peak (a separate draft cache, which may lag the
+        target, holds sliding-window release back: then every group keeps every block)."""
+        bm = self.block_manager
+        cap = bm.max_tokens_per_seq(self.config.max_num_batched_tokens, keep_all=self.draft_runner is not None)
+        if cap is not None and self.max_model_len > cap:
+            # A sequence can never outgrow the pool; cap the context rather than fail mid-request.
+            log.warning("max_model_len %d exceeds what the KV pool holds for one sequence (%d tokens); capping it "
+                        "(raise --kv-cache-gib)", self.max_model_len, cap)
+            self.max_model_len = cap
+
+    def _log_pool(self) -> None:
+        groups, bs = self.layer_groups, self.config.block_size
+        sliding = [g for g in groups if g.window is not None]
+        layout = (f"{len(groups)} layer groups of {len(groups[0].layers)} layers: {len(groups) - len(sliding)} full, "
+                  f"{len(sliding)} sliding (window {sliding[0].window}, blocks outside it are released)"
+                  if sliding else "one layer group, every layer keeps every block")
+        log.info("KV pool: %d pages x %d tokens = %d page-tokens, %d tokens of all layers (%.2f GiB); %s",
+                 self.num_blocks, bs, self.num_blocks * bs, self.num_blocks // len(groups) * bs,
+                 self.kv_cache.nbytes / 2**30, layout)
 
     # ---------------------------------------------------------------- requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -171,8 +201,10 @@ class LLMEngine:
             "num_requests_running": sch.num_running,
             "num_requests_waiting": sch.num_waiting,
             "kv_cache_usage_perc": bm.usage(),
-            "kv_blocks_total": self.num_blocks,
+            "kv_blocks_total": self.num_blocks,  # pages of the one pool all layer groups share
             "kv_blocks_free": bm.num_free_blocks,
+            "kv_layer_groups": bm.num_groups,
+            "kv_blocks_released_by_window": bm.num_window_released,  # cumulative
             "prefix_cache_queries": bm.prefix_cache_queries,
             "prefix_cache_hits": bm.prefix_cache_hits,
             "num_preemptions": sch.num_preemptions,
@@ -215,7 +247,8 @@ class LLMEngine:
             if item.num_spec:
                 tokens = tokens + drafts[id(item)].token_ids
             self.num_prompt_tokens_computed += max(0, min(start + known, seq.num_prompt_tokens) - start)
-            inputs.append(StepInput(tokens, start, seq.block_table, item.needs_logits, max(1, item.num_logits)))
+            inputs.append(StepInput(tokens, start, seq.block_table, item.needs_logits, max(1, item.num_logits),
+                                    group_tables=seq.group_block_tables))
             if item.num_spec:
                 spec.append((item, num_rows))
             elif item.needs_logits:
@@ -303,7 +336,11 @@ class LLMEngine:
         """A drafter with its own KV pool (num_layers layers) addressed by the target's block tables."""
         dc, cfg = draft.config, self.config
         kv_dtype = next(draft.parameters()).dtype
-        cache = KVCache(num_layers, self.kv_cache.num_slots, dc.num_kv_heads, dc.head_dim, kv_dtype, cfg.device)
+        if self.kv_cache.num_groups > 1:  # the self draft: the target's layers, so its layer groups too
+            cache = KVCache(dc.num_layers, self.kv_cache.num_slots, dc.num_kv_heads, dc.head_dim, kv_dtype, cfg.device,
+                            layer_groups=[g.layers for g in self.layer_groups])
+        else:
+            cache = KVCache(num_layers, self.kv_cache.num_slots, dc.num_kv_heads, dc.head_dim, kv_dtype, cfg.device)
         log.info("%s: its own KV pool %.2f GiB (same block tables as the target)", what, cache.nbytes / 2**30)
         self.draft_runner = ModelRunner(draft, cache, cfg.block_size, cfg.device)
         return ModelDrafter(self.draft_runner, num_layers=exit_at, separate_cache=True)

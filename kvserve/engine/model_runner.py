@@ -15,13 +15,19 @@ from kvserve.model.base import CausalLM
 class StepInput:
     """One sequence's share of a step: feed `token_ids` at positions start_pos.. ; after the
     step its context covers positions [0, start_pos + len(token_ids)), whose K/V live in the
-    blocks of `block_table` (logical block i -> physical block id)."""
+    blocks of `block_table` (logical block i -> physical block id) for KV layer group 0, and of
+    `group_tables` for groups 1.. (several groups: sliding-window release; see KVCache)."""
 
     token_ids: Seq[int]
     start_pos: int
     block_table: Seq[int]
     needs_logits: bool = True
     num_logits: int = 1  # logits for this many last tokens (1 + k when verifying k draft tokens)
+    group_tables: Seq[Seq[int]] = ()
+
+    @property
+    def tables(self) -> list[Seq[int]]:
+        return [self.block_table, *self.group_tables]
 
 
 class ModelRunner:
@@ -33,58 +39,80 @@ class ModelRunner:
         self._block_offsets = torch.arange(block_size, device=self.device)
 
     def _ctx_slots(self, block_table: Seq[int], ctx_len: int) -> torch.Tensor:
-        """Slot of each logical position [ctx_len]: block_table[p // bs] * bs + p % bs."""
+        """Slot of each logical position [ctx_len]: block_table[p // bs] * bs + p % bs.
+        Released entries (NULL_BLOCK, < 0) map to page 0: attention never reads them."""
         need = -(-ctx_len // self.block_size)
         if len(block_table) < need:
             raise ValueError(f"block table has {len(block_table)} blocks, {ctx_len} tokens need {need}")
-        blocks = torch.tensor(block_table[:need], dtype=torch.long, device=self.device)
+        blocks = torch.tensor(block_table[:need], dtype=torch.long, device=self.device).clamp_(min=0)
         return (blocks[:, None] * self.block_size + self._block_offsets).view(-1)[:ctx_len]
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
     def prepare(self, inputs: Seq[StepInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Flatten the step: input_ids, positions, slot_mapping [T]; per-sequence attention views;
-        indices [num_logits] of the rows whose logits are needed (each sequence's last
-        `num_logits` tokens, in input order)."""
-        bs = self.block_size
-        ids, positions, slots, seqs, logit_rows = [], [], [], [], []
-        decodes: list[tuple[int, int, Seq[int]]] = []  # (row, context length, block table)
+        """Flatten the step: input_ids, positions [T]; per KV layer group the slot_mapping [T]
+        and per-sequence attention views; indices [num_logits] of the rows whose logits are
+        needed (each sequence's last `num_logits` tokens, in input order)."""
+        bs, num_groups = self.block_size, self.kv_cache.num_groups
+        ids, positions, logit_rows = [], [], []
+        slots: list[list[int]] = [[] for _ in range(num_groups)]
+        seqs: list[list[SeqAttention]] = [[] for _ in range(num_groups)]
+        decodes: list[tuple[int, int, list[Seq[int]]]] = []  # (row, context length, block table per group)
         for inp in inputs:
             n = len(inp.token_ids)
             if n == 0:
                 raise ValueError("a scheduled sequence must feed at least one token")
+            tables = inp.tables
+            if len(tables) != num_groups:
+                raise ValueError(f"{len(tables)} block tables for {num_groups} KV layer groups")
             end = inp.start_pos + n
             q_start = len(ids)
             ids.extend(inp.token_ids)
             positions.extend(range(inp.start_pos, end))
-            if n == 1:  # decode: one new slot, computed in Python (no per-sequence tensors)
-                p = inp.start_pos
-                if len(inp.block_table) <= p // bs:
-                    raise ValueError(f"block table has {len(inp.block_table)} blocks, {end} tokens need more")
-                slots.append(inp.block_table[p // bs] * bs + p % bs)
-                decodes.append((q_start, end, inp.block_table))
+            if n == 1:  # decode: one new slot per group, computed in Python (no per-sequence tensors)
+                blk, off = divmod(inp.start_pos, bs)
+                for g, table in enumerate(tables):
+                    if len(table) <= blk or table[blk] < 0:
+                        raise ValueError(f"block table has no block for position {inp.start_pos} (group {g})")
+                    slots[g].append(table[blk] * bs + off)
+                decodes.append((q_start, end, tables))
             else:
-                ctx_slots = self._ctx_slots(inp.block_table, end)
-                slots.extend(ctx_slots[inp.start_pos:end].tolist())
-                seqs.append(SeqAttention(q_start, n, ctx_slots))
+                masks: dict = {}  # shared by the groups: masks depend on positions only
+                for g, table in enumerate(tables):
+                    if min(table[inp.start_pos // bs:-(-end // bs)], default=0) < 0:
+                        raise ValueError(f"block table has a released block where positions {inp.start_pos}.. go")
+                    ctx_slots = self._ctx_slots(table, end)
+                    slots[g].extend(ctx_slots[inp.start_pos:end].tolist())
+                    seqs[g].append(SeqAttention(q_start, n, ctx_slots, masks))
             if inp.needs_logits:
                 if not 1 <= inp.num_logits <= n:
                     raise ValueError(f"num_logits must be in [1, {n}], got {inp.num_logits}")
                 logit_rows.extend(range(q_start + n - inp.num_logits, q_start + n))
-        meta = AttentionMetadata(slot_mapping=self._tensor(slots), seqs=seqs, decode=self._decode_batch(decodes))
+        batches = self._decode_batches(decodes, num_groups)
+        metas = [AttentionMetadata(slot_mapping=self._tensor(slots[g]), seqs=seqs[g], decode=batches[g])
+                 for g in range(num_groups)]
+        meta = metas[0]
+        if num_groups > 1:
+            meta = AttentionMetadata(slot_mapping=meta.slot_mapping, seqs=meta.seqs, decode=meta.decode, groups=metas)
         return self._tensor(ids), self._tensor(positions), meta, self._tensor(logit_rows)
 
-    def _decode_batch(self, decodes: list[tuple[int, int, Seq[int]]]) -> DecodeBatch | None:
+    def _decode_batches(self, decodes: list[tuple[int, int, list[Seq[int]]]],
+                        num_groups: int) -> list[DecodeBatch | None]:
+        """One DecodeBatch per layer group, sharing rows and lengths."""
         if not decodes:
-            return None
+            return [None] * num_groups
         width = max(-(-length // self.block_size) for _, length, _ in decodes)
-        tables = [list(table[:width]) + [0] * (width - min(width, len(table))) for _, _, table in decodes]
         lens = [length for _, length, _ in decodes]
-        return DecodeBatch(rows=self._tensor([r for r, _, _ in decodes]),
-                           block_tables=torch.tensor(tables, dtype=torch.int32, device=self.device),
-                           lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
-                           block_size=self.block_size, max_len=max(lens))
+        rows = self._tensor([r for r, _, _ in decodes])
+        lens_t = torch.tensor(lens, dtype=torch.int32, device=self.device)
+        # One tensor [groups, B, width] from one list (a torch.tensor call per group costs more),
+        # then a contiguous [B, width] view per group.
+        padded = [list(ts[g][:width]) + [0] * (width - min(width, len(ts[g])))
+                  for g in range(num_groups) for _, _, ts in decodes]
+        tables = torch.tensor(padded, dtype=torch.int32, device=self.device).view(num_groups, len(decodes), width)
+        return [DecodeBatch(rows=rows, block_tables=tables[g], lens=lens_t, block_size=self.block_size,
+                            max_len=max(lens)) for g in range(num_groups)]
 
     @torch.inference_mode()
     def execute(self, inputs: Seq[StepInput], num_layers: int | None = None) -> torch.Tensor:

@@ -21,8 +21,10 @@ each sequence feeds, starting at its `num_computed_tokens`:
   usually hits the cache on return), repeatedly, down to the sequence itself. Visiting
   oldest first means a victim is never one already scheduled this step, and the oldest
   sequence can never be preempted by another: it always progresses, so nothing starves.
-* A request that could never run (prompt over `max_model_len`; prompt + max_tokens over the
-  whole pool; a prompt over the token budget without chunked prefill) is rejected in
+* A request that could never run (prompt over `max_model_len`; prompt + max_tokens needing more
+  blocks than the whole pool at its peak, `BlockManager.peak_blocks`: every block of full-attention
+  layer groups, a window plus a chunk of sliding ones; a prompt over the token budget without
+  chunked prefill) is rejected in
   `add()` and reported once, as FINISHED_ERROR with `seq.error`, by the next `schedule()`.
 """
 from __future__ import annotations
@@ -140,12 +142,18 @@ class Scheduler:
             return f"prompt has {n} tokens, more than max_model_len {self.max_model_len}"
         max_tokens = getattr(seq.params, "max_tokens", None)
         total = self.max_model_len if max_tokens is None else min(n + max_tokens, self.max_model_len)
-        capacity = self.bm.num_blocks * self.bm.block_size
-        if total > capacity:
+        # The real peak: full-attention groups grow with the length, sliding groups hold a chunk
+        # plus their window (unless a lagging draft cache keeps everything, see BlockManager).
+        bm = self.bm
+        need = bm.peak_blocks(total, self.max_num_batched_tokens, keep_all=seq.num_draft_computed is not None)
+        if need > bm.num_blocks:
             why = "no max_tokens" if max_tokens is None else f"max_tokens {max_tokens}"
-            return (f"request may reach {total} tokens (prompt {n}, {why}, max_model_len {self.max_model_len}),"
-                    f" more than the whole KV cache holds ({self.bm.num_blocks} blocks x "
-                    f"{self.bm.block_size} = {capacity} tokens)")
+            head = f"request may reach {total} tokens (prompt {n}, {why}, max_model_len {self.max_model_len}),"
+            if bm.num_groups == 1 and not bm.group_windows[0]:
+                return (f"{head} more than the whole KV cache holds ({bm.num_blocks} blocks x "
+                        f"{bm.block_size} = {bm.num_blocks * bm.block_size} tokens)")
+            return (f"{head} needing up to {need} KV blocks over {bm.num_groups} layer groups, more than the "
+                    f"whole KV cache holds ({bm.num_blocks} blocks of {bm.block_size} tokens)")
         if not self.enable_chunked_prefill and n > self.max_num_batched_tokens:
             return (f"prompt has {n} tokens, more than max_num_batched_tokens "
                     f"{self.max_num_batched_tokens} and chunked prefill is disabled")

@@ -17,7 +17,8 @@ def add_eval_parser(sub) -> None:
                     help="recent tokens W of method `sinks`; `window` and `recompute` get the same budget "
                          "S + W (the paper's 0+1024 vs 4+1020)")
     st.add_argument("--methods", default="full,window,sinks,recompute",
-                    help="comma list of full, window, sinks, recompute")
+                    help="comma list of full, window, sinks, recompute, recompute-bos (opt-in: recompute "
+                         "with BOS in place of the oldest context token)")
     st.add_argument("--recompute-positions", type=int, default=128,
                     help="evenly spaced positions scored by `recompute` (and by every method, for a "
                          "like-for-like column)")

@@ -11,6 +11,8 @@ paper's table: window 0+1024 against sinks 4+1020):
 * recompute  each scored token predicted from scratch from the B tokens before it (positions
              0..B-1, no BOS unless the context reaches the stream's start): O(B) prefill per token,
              so only on an evenly spaced subsample of positions.
+* recompute-bos (opt-in) the same with BOS in place of the oldest context token: separates "the
+             context is short" from "the context has no BOS" for models that lean on BOS.
 
 Every method is also reported on exactly that subsample, so all four compare like for like.
 Gemma 3's sliding (local) layers: see `layer_policies` in kvserve/model/streaming.py: they keep
@@ -21,11 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -34,7 +38,10 @@ from kvserve.loading import LoadedModel, load_model
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.streaming import CacheSize, StreamingAttention, StreamPolicy, layer_policies
 
-METHODS = ("full", "window", "sinks", "recompute")
+log = logging.getLogger(__name__)
+
+METHODS = ("full", "window", "sinks", "recompute", "recompute-bos")
+DEFAULT_METHODS = METHODS[:4]
 _NO_SLOTS = torch.empty(0, dtype=torch.long)  # the custom attention never touches the paged pool
 
 
@@ -46,7 +53,7 @@ class StreamEvalConfig:
     sinks: int = 4
     window: int = 1020
     chunk: int = 256
-    methods: tuple[str, ...] = METHODS
+    methods: tuple[str, ...] = DEFAULT_METHODS
     recompute_positions: int = 128
 
     def __post_init__(self) -> None:
@@ -73,7 +80,8 @@ class StreamEvalConfig:
 
     def cache_label(self, method: str) -> str:
         return {"full": "all", "window": f"0+{self.budget}", "sinks": f"{self.sinks}+{self.window}",
-                "recompute": f"{self.budget} (recomputed)"}[method]
+                "recompute": f"{self.budget} (recomputed)",
+                "recompute-bos": f"{self.budget} (recomputed, BOS first)"}[method]
 
 
 def parse_methods(text: str) -> tuple[str, ...]:
@@ -82,7 +90,7 @@ def parse_methods(text: str) -> tuple[str, ...]:
 
 def method_policies(method: str, model_cfg, cfg: StreamEvalConfig) -> list[StreamPolicy]:
     """Per-layer cache policies of a streamed method (recompute runs `full` on each context)."""
-    if method in ("full", "recompute"):
+    if method in ("full", "recompute", "recompute-bos"):
         return layer_policies(model_cfg)
     if method == "window":
         return layer_policies(model_cfg, sinks=0, window=cfg.budget)
@@ -148,15 +156,21 @@ def stream_nll(model, tokens: torch.Tensor, policies: list[StreamPolicy], chunk:
     return torch.cat(out), attention.sizes
 
 
-def recompute_nll(model, tokens: torch.Tensor, targets: torch.Tensor, context: int,
+def recompute_nll(model, tokens: torch.Tensor, targets: torch.Tensor, context: int, bos: int | None = None,
                   progress: bool = True) -> tuple[torch.Tensor, list[CacheSize]]:
     """Sliding window with recomputation: token t from a fresh pass over tokens[t - context : t]
-    at positions 0.. (the model's own attention) -> (NLL [K] at `targets` [K], cache sizes)."""
+    at positions 0.. (the model's own attention) -> (NLL [K] at `targets` [K], cache sizes).
+    With `bos`, a context that does not reach the stream's start begins with BOS instead of its
+    oldest token (same length)."""
     policies = layer_policies(model.config)
     nll, sizes = [], []
     with torch.inference_mode():
-        for t in tqdm(targets.tolist(), desc="recompute", unit="pos", disable=not progress):
-            ids = tokens[max(0, t - context):t]
+        for t in tqdm(targets.tolist(), desc="recompute" + ("-bos" if bos is not None else ""), unit="pos",
+                      disable=not progress):
+            start = max(0, t - context)
+            ids = tokens[start:t]
+            if bos is not None and start > 0:
+                ids = torch.cat([torch.tensor([bos]), tokens[start + 1:t]])
             attention = StreamingAttention.for_model(model, policies)
             hidden = forward_chunk(model, attention, ids, torch.arange(len(ids)))
             nll.append(token_nll(model, hidden[-1:], tokens[t:t + 1]))
@@ -178,8 +192,9 @@ class MethodResult:
 def run_method(loaded: LoadedModel, tokens: torch.Tensor, method: str, cfg: StreamEvalConfig,
                targets: torch.Tensor, progress: bool = True) -> MethodResult:
     t0 = time.perf_counter()
-    if method == "recompute":
-        sub, sizes = recompute_nll(loaded.model, tokens, targets, cfg.budget, progress)
+    if method.startswith("recompute"):
+        bos = int(tokens[0]) if method == "recompute-bos" else None  # the stream starts with BOS
+        sub, sizes = recompute_nll(loaded.model, tokens, targets, cfg.budget, bos, progress)
         nll = None
     else:
         policies = method_policies(method, loaded.config, cfg)
@@ -213,18 +228,22 @@ def ppl(nll: torch.Tensor) -> float:
 
 @dataclass
 class Row:
-    """One method's line of the table (PPL = exp(mean NLL))."""
+    """One method's summary (PPL = exp(mean NLL))."""
 
     method: str
     cache: str
-    ppl_all: float | None  # None: not computed on every token (recompute)
-    ppl_sub: float
+    ppl_all: float | None  # every scored token; None when only the subsample was scored (recompute)
+    buckets_all: list[float] | None  # PPL per position bucket over every scored token
+    ppl_sub: float  # the shared subsample
+    buckets_sub: list[float]  # PPL per position bucket over the subsample
     dnll_sub: tuple[float, float] | None  # mean NLL - full's on the subsample, its standard error
-    buckets: list[float]  # PPL per position bucket (subsample only for recompute)
-    buckets_from_subsample: bool
     cache_max_tokens: int  # per layer, the fullest layer at its peak
     cache_max_bytes: int  # all layers, each at its peak in the chunk
     seconds: float
+
+
+def _bucket_ppl(pos: torch.Tensor, nll: torch.Tensor, edges: list[int]) -> list[float]:
+    return [ppl(nll[(pos >= a) & (pos < b)]) for a, b in zip(edges, edges[1:])]
 
 
 def summarize(results: list[MethodResult], targets: torch.Tensor, num_tokens: int) -> list[Row]:
@@ -232,38 +251,44 @@ def summarize(results: list[MethodResult], targets: torch.Tensor, num_tokens: in
     full = next((r for r in results if r.name == "full"), None)
     rows = []
     for r in results:
-        if r.nll is not None:
-            pos, nll = torch.arange(1, num_tokens), r.nll
-        else:
-            pos, nll = targets, r.sub_nll
-        buckets = [ppl(nll[(pos >= a) & (pos < b)]) for a, b in zip(edges, edges[1:])]
         dnll = None
         if full is not None:
-            d = (r.sub_nll - full.sub_nll).double()
+            d = (r.sub_nll - full.sub_nll).double()  # paired: the same positions, so noise cancels
             se = float(d.std() / math.sqrt(d.numel())) if d.numel() > 1 else float("nan")
             dnll = (float(d.mean()), se)
-        rows.append(Row(r.name, r.cache, ppl(r.nll) if r.nll is not None else None, ppl(r.sub_nll), dnll,
-                        buckets, r.nll is None, max(s.max_layer_tokens for s in r.sizes),
-                        max(s.total_bytes for s in r.sizes), r.seconds))
+        every = r.nll is not None
+        rows.append(Row(r.name, r.cache, ppl(r.nll) if every else None,
+                        _bucket_ppl(torch.arange(1, num_tokens), r.nll, edges) if every else None,
+                        ppl(r.sub_nll), _bucket_ppl(targets, r.sub_nll, edges), dnll,
+                        max(s.max_layer_tokens for s in r.sizes), max(s.total_bytes for s in r.sizes), r.seconds))
     return rows
 
 
-def format_table(rows: list[Row], num_tokens: int, k: int) -> str:
-    """A Markdown table (reads in a terminal, pastes into docs)."""
-    labels = bucket_labels(bucket_edges(num_tokens))
-    head = (["method", "cache", "PPL all", f"PPL sub ({k})", "ΔNLL sub vs full"] + [f"PPL {b}" for b in labels]
+def _fmt(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2f}"
+
+
+def _markdown(head: list[str], lines: list[list[str]]) -> str:
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+                     + ["| " + " | ".join(cells) + " |" for cells in lines])
+
+
+def format_tables(rows: list[Row], num_tokens: int, targets: torch.Tensor) -> str:
+    """Two Markdown tables (they read in a terminal and paste into docs): every scored token, and
+    the shared subsample where all methods, recompute included, are scored on the same positions."""
+    edges = bucket_edges(num_tokens)
+    labels = bucket_labels(edges)
+    head = (["method", "cache", f"PPL ({num_tokens - 1} tokens)"] + [f"PPL {b}" for b in labels]
             + ["max cache tok/layer", "max cache MiB", "time (s)"])
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        star = "*" if r.buckets_from_subsample else ""
-        cells = [r.method, r.cache, "—" if r.ppl_all is None else f"{r.ppl_all:.2f}", f"{r.ppl_sub:.2f}",
-                 "—" if r.dnll_sub is None else f"{r.dnll_sub[0]:+.3f} ± {r.dnll_sub[1]:.3f}"]
-        cells += [f"{b:.2f}{star}" for b in r.buckets]
-        cells += [str(r.cache_max_tokens), f"{r.cache_max_bytes / 2**20:.1f}", f"{r.seconds:.0f}"]
-        lines.append("| " + " | ".join(cells) + " |")
-    if any(r.buckets_from_subsample for r in rows):
-        lines.append("\n\\* from the subsample positions only.")
-    return "\n".join(lines)
+    lines = [[r.method, r.cache, _fmt(r.ppl_all)] + [_fmt(b) for b in (r.buckets_all or [None] * len(labels))]
+             + [str(r.cache_max_tokens), f"{r.cache_max_bytes / 2**20:.1f}", f"{r.seconds:.0f}"] for r in rows]
+    counts = [int(((targets >= a) & (targets < b)).sum()) for a, b in zip(edges, edges[1:])]
+    head_sub = (["method", f"PPL (subsample, {targets.numel()} positions)", "ΔNLL vs full (± s.e.)"]
+                + [f"PPL {b} (n={n})" for b, n in zip(labels, counts)])
+    lines_sub = [[r.method, _fmt(r.ppl_sub), "—" if r.dnll_sub is None else
+                  f"{r.dnll_sub[0]:+.3f} ± {r.dnll_sub[1]:.3f}"] + [_fmt(b) for b in r.buckets_sub] for r in rows]
+    return (f"All scored tokens:\n\n{_markdown(head, lines)}\n\n"
+            f"Shared subsample (evenly spaced positions, every method):\n\n{_markdown(head_sub, lines_sub)}")
 
 
 def moving_average(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -272,37 +297,52 @@ def moving_average(x: torch.Tensor, width: int) -> torch.Tensor:
     return ((c[width:] - c[:-width]) / width).float()
 
 
+def _smoothed(pos: torch.Tensor, values: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean position, mean value) over consecutive windows of `width` points (capped at the count)."""
+    w = max(1, min(width, values.numel()))
+    return moving_average(pos.double(), w), moving_average(values, w)
+
+
 def plot(results: list[MethodResult], targets: torch.Tensor, cfg: StreamEvalConfig, path: str,
          width: int = 256) -> None:
-    """NLL over position (moving average of `width` tokens; recompute: of 8 subsample points)
-    and the cache size per layer over the stream."""
+    """Three panels over the stream position: NLL (moving average of `width` tokens; recompute
+    methods: of 8 subsample points), NLL minus full's NLL (4 x `width` tokens; recompute: 32
+    subsample points, paired), and the cache size per layer."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(10, 7), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    fig, (ax, axd, axc) = plt.subplots(3, 1, figsize=(10, 9.5), sharex=True,
+                                       gridspec_kw={"height_ratios": [3, 2, 1.2]})
+    full = next((r for r in results if r.name == "full"), None)
     for r in results:
-        label = f"{r.name} ({r.cache})"
+        label = f"{r.name}: {r.cache}"
         if r.nll is not None:
-            w = min(width, r.nll.numel())
-            ma = moving_average(r.nll, w)
-            ax.plot(torch.arange(ma.numel()) + 1 + (w - 1) / 2, ma, label=label, lw=1)
+            pos = torch.arange(1, r.nll.numel() + 1)
+            line = ax.plot(*_smoothed(pos, r.nll, width), label=label, lw=1)[0]
+            if full is not None and r is not full:
+                axd.plot(*_smoothed(pos, r.nll - full.nll, 4 * width), color=line.get_color(), label=label, lw=1)
         else:
-            w = min(8, r.sub_nll.numel())
-            ma = moving_average(r.sub_nll, w)
-            ax.plot(moving_average(targets.double(), w), ma, "o-", ms=3, label=f"{label}, {w}-point avg", lw=1)
-        ax2.step([s.position for s in r.sizes], [s.max_layer_tokens for s in r.sizes], where="post", label=r.name)
-    for a in (ax, ax2):
+            line = ax.plot(*_smoothed(targets, r.sub_nll, 8), "o-", ms=2, lw=0.8,
+                           label=f"{label} (subsample, 8-point average)")[0]
+            if full is not None:
+                axd.plot(*_smoothed(targets, r.sub_nll - full.sub_nll, 32), "o-", ms=2, lw=0.8,
+                         color=line.get_color(), label=f"{label} (subsample, 32-point average)")
+        axc.step([s.position for s in r.sizes], [s.max_layer_tokens for s in r.sizes], where="post",
+                 color=line.get_color(), label=r.name)
+    for a in (ax, axd, axc):
         a.axvline(cfg.budget, color="grey", ls=":", lw=1)
+        a.grid(alpha=0.3)
+    axd.axhline(0, color="black", lw=0.8)
+    ax.set_title(f"StreamingLLM on WikiText-2: NLL over position (cache budget {cfg.budget}: dotted line)")
     ax.set_ylabel(f"NLL (moving average, {width} tokens)")
-    ax.set_title(f"StreamingLLM on WikiText-2: NLL over position (cache budget {cfg.budget}, dotted)")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    ax2.set_yscale("log")
-    ax2.set_ylabel("cache tokens / layer")
-    ax2.set_xlabel("position in the stream")
-    ax2.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    axd.set_ylabel("NLL − full's NLL")
+    axd.legend(fontsize=8)
+    axc.set_yscale("log")
+    axc.set_ylabel("cache tokens / layer")
+    axc.set_xlabel("position in the stream")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -322,7 +362,8 @@ def to_json(results: list[MethodResult], rows: list[Row], targets: torch.Tensor,
             "cache": r.cache, "ppl_all": row.ppl_all, "ppl_subsample": row.ppl_sub,
             "delta_nll_vs_full_subsample": None if row.dnll_sub is None else
             {"mean": row.dnll_sub[0], "standard_error": row.dnll_sub[1]},
-            "ppl_buckets": dict(zip(labels, row.buckets)), "buckets_from_subsample": row.buckets_from_subsample,
+            "ppl_buckets_all": None if row.buckets_all is None else dict(zip(labels, row.buckets_all)),
+            "ppl_buckets_subsample": dict(zip(labels, row.buckets_sub)),
             "cache_max_tokens_per_layer": row.cache_max_tokens, "cache_max_bytes": row.cache_max_bytes,
             "cache_trace": {"columns": ["position", "max_layer_tokens", "total_bytes"], "rows": _trace(r.sizes)},
             "nll_subsample": [round(float(x), 5) for x in r.sub_nll], "seconds": r.seconds,
@@ -347,18 +388,36 @@ class StreamReport:
     meta: dict = field(default_factory=dict)
 
 
-def evaluate(loaded: LoadedModel, cfg: StreamEvalConfig, data: Path, progress: bool = True) -> StreamReport:
-    """Tokenize the stream, run every method of cfg, summarize."""
+def evaluate(loaded: LoadedModel, cfg: StreamEvalConfig, data: Path, progress: bool = True,
+             on_method: Callable[[StreamReport], None] | None = None) -> StreamReport:
+    """Tokenize the stream, run every method of cfg, summarize. `on_method` gets the report so
+    far after each method (a long run that is interrupted keeps what it finished)."""
     if "full" in cfg.methods and cfg.num_tokens > loaded.config.max_position_embeddings:
         raise ValueError(f"--num-tokens {cfg.num_tokens} exceeds the model's context "
                          f"{loaded.config.max_position_embeddings} (method full)")
     bos = loaded.config.bos_token_id if loaded.config.add_bos_token else None
+    if "recompute-bos" in cfg.methods and bos is None:
+        raise ValueError("--methods recompute-bos: this model does not start its inputs with a BOS token")
     tokens = load_token_stream(loaded.tokenizer, data, cfg.num_tokens, bos)
     targets = subsample_targets(cfg.num_tokens, cfg.recompute_positions)
-    results = [run_method(loaded, tokens, m, cfg, targets, progress) for m in cfg.methods]
     meta = {"model": str(loaded.source), "dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch."),
             "data": str(data), "bos_once": bos is not None, "threads": torch.get_num_threads()}
+    results: list[MethodResult] = []
+    for method in cfg.methods:
+        r = run_method(loaded, tokens, method, cfg, targets, progress)
+        results.append(r)
+        log.info("%s: PPL %s, subsample PPL %.2f, %.0f s", method,
+                 "—" if r.nll is None else f"{ppl(r.nll):.2f}", ppl(r.sub_nll), r.seconds)
+        if on_method is not None:
+            on_method(StreamReport(results, summarize(results, targets, cfg.num_tokens), targets, meta))
     return StreamReport(results, summarize(results, targets, cfg.num_tokens), targets, meta)
+
+
+def write_json(report: StreamReport, cfg: StreamEvalConfig, path: str) -> None:
+    doc = to_json(report.results, report.rows, report.targets, cfg, report.meta)
+    doc["complete"] = len(report.results) == len(cfg.methods)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(doc, indent=1))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -369,15 +428,15 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--data: WikiText-2 file {data} not found (pass --data PATH)")
     loaded = load_model(args.model, dtype=args.dtype)
     t0 = time.perf_counter()
-    report = evaluate(loaded, cfg, data)
+
+    def save(partial: StreamReport) -> None:  # after every method, so an interrupted run keeps them
+        write_json(partial, cfg, args.json)
+
+    report = evaluate(loaded, cfg, data, on_method=save if args.json else None)
     print(f"{report.meta['model']} ({report.meta['dtype']}), {cfg.num_tokens} tokens of {data.name} "
           f"(BOS once at the start), chunk {cfg.chunk}, subsample of {report.targets.numel()} positions, "
           f"{time.perf_counter() - t0:.0f} s")
-    print(format_table(report.rows, cfg.num_tokens, report.targets.numel()))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        doc = to_json(report.results, report.rows, report.targets, cfg, report.meta)
-        Path(args.json).write_text(json.dumps(doc, indent=1))
+    print(format_tables(report.rows, cfg.num_tokens, report.targets))
     if args.plot:
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         plot(report.results, report.targets, cfg, args.plot)

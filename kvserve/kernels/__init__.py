@@ -79,6 +79,8 @@ def paged_decode_attention(q, k_pool, v_pool, tables, starts, lens, block_size: 
 
     q [B, H, D]; k_pool, v_pool [slots, KVH, D]; tables [B, max_blocks] int32; starts, lens [B]
     int32 (sequence b attends positions [starts[b], lens[b])); max_len = max(lens). -> [B, H, D].
+    Table entries of blocks wholly before starts[b] are never read (a sliding-window layer group
+    marks released blocks -1 there).
     """
     if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16) or k_pool.dtype != q.dtype:
         return None  # checked first: a CUDA run never compiles the CPU kernel

@@ -8,7 +8,7 @@ attends over the slots its block table names. On CPU that is a gather plus
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -20,9 +20,14 @@ from kvserve.model.layers import RMSNorm, apply_rope
 
 
 class KVCache:
-    """The KV pool: per layer, K and V of shape [num_slots, num_kv_heads, head_dim].
+    """The KV pool: storage tensors K and V of shape [num_slots, num_kv_heads, head_dim].
 
-    A slot is one token position in one block: slot = block_id * block_size + offset.
+    A slot is one token position in one block (page): slot = block_id * block_size + offset.
+    `layer_groups` splits the layers into KV layer groups of equal size (default: one group of
+    every layer). Each group has its own block table per sequence, and pages are drawn from one
+    pool by all groups, so the j-th layer of EVERY group shares storage tensor j: a page belongs
+    to one group at a time, and its slots in tensor j hold that group's j-th layer. With one
+    group this is one tensor per layer.
     """
 
     def __init__(
@@ -33,18 +38,32 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        layer_groups: Sequence[Sequence[int]] | None = None,
     ):
+        groups = [list(range(num_layers))] if layer_groups is None else [list(g) for g in layer_groups]
+        size = len(groups[0])
+        if any(len(g) != size for g in groups) or sorted(i for g in groups for i in g) != list(range(num_layers)):
+            raise ValueError(f"layer groups {groups} must be of equal size and cover layers 0..{num_layers - 1} once")
         shape = (num_slots, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(size)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(size)]
         self.num_slots = num_slots
+        self.num_groups = len(groups)
+        # layer -> (storage index j, group g)
+        self._where = {layer: (j, g) for g, group in enumerate(groups) for j, layer in enumerate(group)}
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """K pool, V pool [num_slots, KVH, D] of a layer, and its layer group."""
+        j, g = self._where[layer]
+        return self.k[j], self.v[j], g
+
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy-on-write support: duplicate the K/V of `src` slots into `dst` slots in every layer."""
+        """Copy-on-write support: duplicate the K/V of `src` slots into `dst` slots in every
+        storage tensor (a page id is unique across groups, so this copies its group's layers)."""
         for k, v in zip(self.k, self.v):
             k[dst] = k[src]
             v[dst] = v[src]
@@ -64,37 +83,40 @@ class SeqAttention:
 
     q_start: int
     q_len: int
-    ctx_slots: torch.Tensor  # [ctx_len] int64
+    ctx_slots: torch.Tensor  # [ctx_len] int64 (released positions of a sliding group: any slot, never read)
+    # Masks by window. They depend on positions only, so the runner hands the SAME dict to this
+    # sequence's SeqAttention of every KV layer group: built once per step per window size.
     _masks: dict = field(default_factory=dict, repr=False)
 
     @property
     def ctx_len(self) -> int:
         return int(self.ctx_slots.shape[0])
 
+    def _first_kv(self, window: int | None) -> int:
+        """First position a layer with this window reads."""
+        return 0 if window is None else max(0, self.ctx_len - self.q_len - window + 1)
+
     def view(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Slots to read and the boolean mask [q_len, n_kv] (None = attend to all, CAUSAL =
-        lower-triangular with q_len == n_kv) for a layer.
-
-        Computed once per step per window size and shared by all layers of that kind.
-        """
+        lower-triangular with q_len == n_kv) for a layer."""
         if window not in self._masks:
             self._masks[window] = self._build(window)
-        return self._masks[window]
+        return self.ctx_slots[self._first_kv(window):], self._masks[window]
 
-    def _build(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _build(self, window: int | None) -> torch.Tensor | str | None:
         first_q = self.ctx_len - self.q_len  # position of the first query token
-        start = 0 if window is None else max(0, first_q - window + 1)
-        slots = self.ctx_slots[start:]
+        start = self._first_kv(window)
         if self.q_len == 1:
-            return slots, None  # a single query at the end sees exactly [start, ctx_len)
+            return None  # a single query at the end sees exactly [start, ctx_len)
         if first_q == 0 and (window is None or self.ctx_len <= window):
-            return slots, CAUSAL  # a whole prompt inside the window: plain causal attention
-        kv_pos = torch.arange(start, self.ctx_len, device=slots.device)
-        q_pos = torch.arange(first_q, self.ctx_len, device=slots.device)[:, None]
+            return CAUSAL  # a whole prompt inside the window: plain causal attention
+        device = self.ctx_slots.device
+        kv_pos = torch.arange(start, self.ctx_len, device=device)
+        q_pos = torch.arange(first_q, self.ctx_len, device=device)[:, None]
         mask = kv_pos[None, :] <= q_pos
         if window is not None:
             mask &= kv_pos[None, :] > q_pos - window
-        return slots, mask
+        return mask
 
 
 @dataclass
@@ -108,7 +130,9 @@ class DecodeBatch:
     """
 
     rows: torch.Tensor  # [B] int64
-    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    # [B, max_blocks] int32, padded with 0; a sliding group's released entries are -1 (NULL_BLOCK),
+    # always before starts[b]: the kernel never reads them, the fallback clamps them.
+    block_tables: torch.Tensor
     lens: torch.Tensor  # [B] int32: context length after this step's token
     block_size: int
     max_len: int  # max(lens)
@@ -135,7 +159,8 @@ class DecodeBatch:
                 pos = torch.arange(int((lens - first).max()), device=lens.device)[None, :] + first[:, None]
                 valid = pos < lens[:, None]
                 pos = torch.where(valid, pos, 0)
-                table = self.block_tables[idx].long()
+                # Padding positions read entry 0, which a sliding group may have released (-1).
+                table = self.block_tables[idx].long().clamp_(min=0)
                 slots = table.gather(1, pos // self.block_size) * self.block_size + pos % self.block_size
                 views.append((self.rows[idx], slots, valid[:, None, None, :]))
             self._groups[window] = views
@@ -154,6 +179,13 @@ class AttentionMetadata:
     # q/k norms but BEFORE RoPE, and uses its [T, H, D] result; the pool and positions are then
     # the callable's business (the KV pool is neither read nor written).
     custom: Callable[["Attention", torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # Several KV layer groups (KVCache.layer_groups): the metadata of group g (its slots, context
+    # slots, decode block tables) is groups[g], and this object's own fields repeat group 0's.
+    # Empty: this object serves every layer.
+    groups: list["AttentionMetadata"] = field(default_factory=list)
+
+    def for_group(self, group: int) -> "AttentionMetadata":
+        return self.groups[group] if self.groups else self
 
 
 class Attention(nn.Module):
@@ -197,7 +229,8 @@ class Attention(nn.Module):
         cos, sin = cos_sin
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-        k_pool, v_pool = kv_cache.k[self.layer], kv_cache.v[self.layer]
+        k_pool, v_pool, group = kv_cache.layer(self.layer)
+        meta = meta.for_group(group)
         k_pool.index_copy_(0, meta.slot_mapping, k.to(k_pool.dtype))
         v_pool.index_copy_(0, meta.slot_mapping, v.to(v_pool.dtype))
 

@@ -5,6 +5,7 @@ dataclass, so the model code never looks at a file format.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 FULL = "full_attention"
@@ -91,3 +92,34 @@ class ModelConfig:
     def kv_bytes_per_token(self, bytes_per_element: int = 4) -> int:
         """K and V for one token in every layer (no sliding-window savings)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """Layers whose K/V share one block table per sequence: one block of the table is one page
+    of the KV pool holding `block_size` tokens of every layer here."""
+
+    layers: tuple[int, ...]
+    window: int | None  # the sliding window of every layer here; None = keep every block
+
+
+def kv_layer_groups(cfg: ModelConfig, release_sliding: bool = True) -> list[LayerGroup]:
+    """Split the layers into KV layer groups of equal size, full-attention groups first.
+
+    Without `release_sliding`, or with a single attention type, there is one group of every
+    layer (a model whose layers all slide keeps window W, so its old blocks can go). Otherwise
+    the group size is gcd(#full, #sliding) layers, so pages are the same size in every group and
+    one pool serves all (Gemma 3 270M: 3 full + 15 sliding layers -> 1 full and 5 sliding groups
+    of 3 layers). Sliding layers are grouped in order.
+    """
+    everything = tuple(range(cfg.num_layers))
+    full = tuple(i for i in everything if cfg.layer_types[i] == FULL)
+    sliding = tuple(i for i in everything if cfg.layer_types[i] == SLIDING)
+    if not release_sliding or not sliding:
+        return [LayerGroup(everything, None)]
+    if not full:
+        return [LayerGroup(everything, cfg.sliding_window)]
+    size = math.gcd(len(full), len(sliding))
+    groups = [LayerGroup(full[i:i + size], None) for i in range(0, len(full), size)]
+    groups += [LayerGroup(sliding[i:i + size], cfg.sliding_window) for i in range(0, len(sliding), size)]
+    return groups

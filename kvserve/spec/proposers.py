@@ -6,7 +6,8 @@ blocks cover positions up to num_tokens - 1 + k); a proposer fills up to k of th
 * `NgramDrafter`: prompt lookup, no model (q is a point mass on the drafted token).
 * `ModelDrafter`: a model runs k single-token steps. Either a separate draft model with its own
   KV pool addressed through the SAME block tables (so blocks, prefix hits and copy-on-write
-  cover both caches), or the target itself exiting after its first L layers, whose K/V are
+  cover both caches; a self draft, the target's own layers, also has the target's KV layer
+  groups and tables), or the target itself exiting after its first L layers, whose K/V are
   exactly the target's own for those layers (no second cache; the verification pass rewrites
   the draft positions).
 """
@@ -82,9 +83,9 @@ class ModelDrafter:
     def _input(self, seq: Sequence, drafted: list[int], step: int) -> StepInput:
         last = seq.num_tokens - 1  # position of the last known token
         if step > 0:  # feed the previous draft token
-            return StepInput([drafted[-1]], last + step, seq.block_table)
+            return StepInput([drafted[-1]], last + step, seq.block_table, group_tables=seq.group_block_tables)
         start = min(seq.num_draft_computed, last) if self.separate_cache else last
-        return StepInput(seq.token_slice(start, last + 1), start, seq.block_table)
+        return StepInput(seq.token_slice(start, last + 1), start, seq.block_table, group_tables=seq.group_block_tables)
 
     @staticmethod
     def _pick(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[torch.Tensor | None] | None]:
