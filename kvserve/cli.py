@@ -16,6 +16,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-gib", type=float, default=None, help="KV pool size in GiB")
     p.add_argument("--max-model-len", type=int, default=None, help="context window cap")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    g = p.add_argument_group("StreamingLLM (constant KV memory past the context length)")
+    g.add_argument("--attention-sinks", type=int, default=0, help="S: first tokens every layer keeps for good")
+    g.add_argument("--streaming-window", type=int, default=None,
+                   help="W: recent tokens every layer keeps; positions are ranks in the cache (off by default)")
     _add_speculative_args(p)
 
 
@@ -32,11 +36,12 @@ def _add_speculative_args(p: argparse.ArgumentParser) -> None:
                    help="self draft: a copy of the target in this dtype (default bfloat16 for a float32 target)")
 
 
-def speculative_config(args: argparse.Namespace) -> dict:
-    """EngineConfig fields from the speculative flags."""
+def decoding_config(args: argparse.Namespace) -> dict:
+    """EngineConfig fields from the speculative decoding and StreamingLLM flags."""
     return dict(speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
                 speculative_model=args.speculative_model, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-                self_draft_layers=args.self_draft_layers, self_draft_dtype=args.self_draft_dtype)
+                self_draft_layers=args.self_draft_layers, self_draft_dtype=args.self_draft_dtype,
+                attention_sinks=args.attention_sinks, streaming_window=args.streaming_window)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -59,14 +64,14 @@ def _add_serve_parser(sub) -> None:
     srv.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
                      help="GGUF file or HF folder (default: bundled Gemma 3 270M); same as --model")
     _add_engine_args(srv)
-    srv.add_argument("--max-num-seqs", type=_positive, default=64, help="sequences per step")
-    srv.add_argument("--max-num-batched-tokens", type=_positive, default=2048, help="token budget per step")
+    srv.add_argument("--max-num-seqs", type=positive_int, default=64, help="sequences per step")
+    srv.add_argument("--max-num-batched-tokens", type=positive_int, default=2048, help="token budget per step")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     srv.add_argument("--max-queue", type=int, default=None, help="waiting requests before answering 429 (1024)")
-    srv.add_argument("--max-body-bytes", type=_positive, default=None, help="larger request bodies get 413 (4 MiB)")
+    srv.add_argument("--max-body-bytes", type=positive_int, default=None, help="larger request bodies get 413 (4 MiB)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="on SIGTERM, seconds in-flight requests get to finish before they are aborted")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -76,6 +81,12 @@ def _add_eval_parser(sub) -> None:
     from kvserve.eval.cli import add_eval_parser  # the flags live beside the evaluations
 
     add_eval_parser(sub)
+
+
+def _add_roofline_parser(sub) -> None:
+    from kvserve.analysis.cli import add_roofline_parser
+
+    add_roofline_parser(sub)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,17 +99,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--quiet-metrics", action="store_true", help="do not print TTFT/TPOT at the end")
     _add_serve_parser(sub)
     _add_eval_parser(sub)
+    _add_roofline_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     tp = bench.add_parser("throughput", help="offline throughput on a random workload (optionally vs HF)")
     tp.add_argument("--model", default=None)
     tp.add_argument("--dtype", default="float32")
-    tp.add_argument("--num-prompts", type=_positive, default=64)
-    tp.add_argument("--input-len", type=_positive, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
-    tp.add_argument("--output-len", type=_positive, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
+    tp.add_argument("--num-prompts", type=positive_int, default=64)
+    tp.add_argument("--input-len", type=positive_int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
+    tp.add_argument("--output-len", type=positive_int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
     tp.add_argument("--seed", type=int, default=0)
     tp.add_argument("--max-num-seqs", type=_int_list, default=[64], help="comma list: a sweep")
-    tp.add_argument("--max-num-batched-tokens", type=_positive, default=2048)
+    tp.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
     tp.add_argument("--kv-cache-gib", type=float, default=None)
     tp.add_argument("--hf-batch-sizes", type=_int_list, default=[], help="comma list; empty = skip HF")
     tp.add_argument("--plot", default=None, help="PNG of throughput vs --max-num-seqs")
@@ -110,11 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--k", type=_int_list, default=[1, 2, 4, 6, 8], help="comma list of speculative token counts")
     sp.add_argument("--batch", type=_int_list, default=[1, 8], help="comma list of batch sizes")
     sp.add_argument("--workload", default="grounded", help="grounded (repeat / summarize a document) or free")
-    sp.add_argument("--num-prompts", type=_positive, default=8)
-    sp.add_argument("--doc-words", type=_positive, default=200, help="words of WikiText per prompt")
-    sp.add_argument("--output-len", type=_positive, default=96)
+    sp.add_argument("--num-prompts", type=positive_int, default=8)
+    sp.add_argument("--doc-words", type=positive_int, default=200, help="words of WikiText per prompt")
+    sp.add_argument("--output-len", type=positive_int, default=96)
     sp.add_argument("--temperature", type=float, default=0.0)
-    sp.add_argument("--rounds", type=_positive, default=2, help="interleaved rounds; medians are reported")
+    sp.add_argument("--rounds", type=positive_int, default=2, help="interleaved rounds; medians are reported")
     sp.add_argument("--speculative-model", default=None, help="draft model for --proposers draft")
     sp.add_argument("--kv-cache-gib", type=float, default=0.5, help="KV pool per engine (one per configuration)")
     sp.add_argument("--dataset-path", default=None, help="text file (default: shared/data/wikitext2/wiki.test.raw)")
@@ -124,18 +136,18 @@ def build_parser() -> argparse.ArgumentParser:
     lt = bench.add_parser("latency", help="one request: TTFT, prefill tok/s, batch-1 decode tok/s vs the bandwidth bound")
     lt.add_argument("--model", default=None)
     lt.add_argument("--dtype", default="float32")
-    lt.add_argument("--input-len", type=_positive, default=512, help="prompt tokens (fresh random ids)")
-    lt.add_argument("--output-len", type=_positive, default=128, help="new tokens (ignore_eos)")
-    lt.add_argument("--repeats", type=_positive, default=3, help="runs; medians are reported")
+    lt.add_argument("--input-len", type=positive_int, default=512, help="prompt tokens (fresh random ids)")
+    lt.add_argument("--output-len", type=positive_int, default=128, help="new tokens (ignore_eos)")
+    lt.add_argument("--repeats", type=positive_int, default=3, help="runs; medians are reported")
     lt.add_argument("--seed", type=int, default=0)
     lt.add_argument("--json", default=None)
     pf = bench.add_parser("prefix", help="requests sharing a system prompt, prefix cache on vs off")
     pf.add_argument("--model", default=None)
     pf.add_argument("--dtype", default="float32")
-    pf.add_argument("--num-prompts", type=_positive, default=32)
-    pf.add_argument("--shared-len", type=_positive, default=384)
-    pf.add_argument("--unique-len", type=_positive, default=32)
-    pf.add_argument("--output-len", type=_positive, default=32)
+    pf.add_argument("--num-prompts", type=positive_int, default=32)
+    pf.add_argument("--shared-len", type=positive_int, default=384)
+    pf.add_argument("--unique-len", type=positive_int, default=32)
+    pf.add_argument("--output-len", type=positive_int, default=32)
     pf.add_argument("--seed", type=int, default=0)
     pf.add_argument("--json", default=None)
     sv = bench.add_parser("serve", help="online serving benchmark against an OpenAI-compatible server")
@@ -144,12 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     sv.add_argument("--request-rate", default="inf",
                     help="requests/s with Poisson arrivals; comma list = sweep; inf = all at once")
-    sv.add_argument("--max-concurrency", type=_positive, default=None, help="at most this many requests in flight")
-    sv.add_argument("--num-prompts", type=_positive, default=64, help="requests per rate")
+    sv.add_argument("--max-concurrency", type=positive_int, default=None, help="at most this many requests in flight")
+    sv.add_argument("--num-prompts", type=positive_int, default=64, help="requests per rate")
     sv.add_argument("--dataset", choices=["random", "wikitext2"], default="random")
     sv.add_argument("--dataset-path", default=None, help="wikitext2 text file (default: shared/data/wikitext2)")
-    sv.add_argument("--input-len", type=_positive, default=256, help="prompt length in words")
-    sv.add_argument("--output-len", type=_positive, default=64, help="max_tokens per request (ignore_eos)")
+    sv.add_argument("--input-len", type=positive_int, default=256, help="prompt length in words")
+    sv.add_argument("--output-len", type=positive_int, default=64, help="max_tokens per request (ignore_eos)")
     sv.add_argument("--seed", type=int, default=0)
     sv.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                     help="SLOs in ms, e.g. ttft:500 tpot:50 e2e:10000; goodput = req/s meeting all")
@@ -160,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _positive(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         v = int(text)
     except ValueError:
@@ -171,7 +183,7 @@ def _positive(text: str) -> int:
 
 
 def _int_list(text: str) -> list[int]:
-    return [_positive(t) for t in text.split(",") if t.strip()] if text.strip() else []
+    return [positive_int(t) for t in text.split(",") if t.strip()] if text.strip() else []
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -222,7 +234,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = _sampling_params(args)  # validate before the (slow) model load
     llm = LLM(args.model, device=args.device, dtype=args.dtype, use_kv_cache=not args.no_kv_cache,
               kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len, num_threads=args.threads,
-              max_num_seqs=1, **speculative_config(args))
+              max_num_seqs=1, **decoding_config(args))
     t_loaded = time.perf_counter()
     final = None
     for out in llm.stream(args.prompt, params):
@@ -247,6 +259,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_roofline(args: argparse.Namespace) -> int:
+    from kvserve.analysis.cli import run
+
+    return run(args)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvserve.config import EngineConfig
     from kvserve.server.launch import ServeOptions, serve
@@ -257,7 +275,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           use_kv_cache=not args.no_kv_cache, kv_cache_gib=args.kv_cache_gib,
                           max_model_len=args.max_model_len, num_threads=args.threads,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          **speculative_config(args))
+                          **decoding_config(args))
     limits = {k: getattr(args, k) for k in ("max_queue", "max_body_bytes") if getattr(args, k) is not None}
     opts = ServeOptions(host=args.host, port=args.port, served_model_name=args.served_model_name,
                         api_key=args.api_key, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
@@ -269,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="kvserve: %(message)s", stream=sys.stderr)
     try:
-        commands = {"generate": cmd_generate, "bench": cmd_bench, "serve": cmd_serve, "eval": cmd_eval}
+        commands = {"generate": cmd_generate, "bench": cmd_bench, "serve": cmd_serve, "eval": cmd_eval,
+                    "roofline": cmd_roofline}
         return commands[args.command](args)
     except ValueError as e:  # bad input (ModelLoadError is a ValueError): a message, no traceback
         print(f"kvserve: error: {e}", file=sys.stderr)

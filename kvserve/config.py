@@ -48,6 +48,12 @@ class EngineConfig:
     # copy, a third of them without one).
     self_draft_dtype: str | None = None
     self_draft_layers: int | None = None
+    # StreamingLLM: every layer keeps the first `attention_sinks` tokens plus the last
+    # `streaming_window` (a sliding layer: its last min(native window, sinks + window), no
+    # sinks); keys are rotated by their rank in that cache, so generation can run past the
+    # model's context with constant KV memory. None = off (the model's own attention).
+    attention_sinks: int = 0
+    streaming_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
@@ -72,6 +78,22 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         self._check_speculative()
+        self._check_streaming()
+
+    def _check_streaming(self) -> None:
+        a = self.attention_sinks
+        if isinstance(a, bool) or not isinstance(a, int) or a < 0:
+            raise ValueError(f"attention_sinks must be an integer >= 0, got {a!r}")
+        if self.streaming_window is None:
+            if a:
+                raise ValueError("attention_sinks needs streaming_window (StreamingLLM keeps sinks + a recent window)")
+            return
+        self._positive_int("streaming_window")
+        if not self.use_kv_cache:
+            raise ValueError("streaming_window needs the KV cache (use_kv_cache=True)")
+        if self.speculative not in (None, "ngram"):
+            raise ValueError(f"streaming_window works with speculative=None or 'ngram', not {self.speculative!r} "
+                             "(a draft model would need its own streaming cache)")
 
     def _check_speculative(self) -> None:
         if self.speculative is not None and self.speculative not in SPECULATIVE:

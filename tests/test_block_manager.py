@@ -60,10 +60,11 @@ class FakeKV:
         of them in a full group, the last W - 1 before the next query in a sliding one (reading
         a released position raises)."""
         toks, n = seq.all_token_ids, seq.num_computed_tokens
-        for g, w in enumerate(self.bm.group_windows):
-            lo = 0 if w is None else max(0, n - w + 1)
-            got = [self.slots.get(self.bm.slot(seq, p, g)) for p in range(lo, n)]
-            assert got == toks[lo:n], f"seq {seq.seq_id} reads wrong KV in group {g}"
+        for g in range(self.bm.num_groups):
+            read = self.bm.needed_positions(g, n, n)
+            got = [self.slots.get(self.bm.slot(seq, p, g)) for p in read]
+            assert got == [toks[p] for p in read], f"seq {seq.seq_id} reads wrong KV in group {g}"
+
 
 
 def run_prefill(bm: BlockManager, kv: FakeKV, seq: Sequence) -> int:
@@ -578,20 +579,25 @@ group_windows = st.one_of(WINDOWS.map(lambda w: (None, w, w)), WINDOWS.map(lambd
                           WINDOWS.map(lambda w: (None, None, w, w)))
 
 
-@settings(max_examples=150, deadline=None)
-@given(ops=ops, block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(3, 60), windows=group_windows)
-def test_random_ops_with_sliding_groups_keep_invariants(ops, block_size, num_blocks, windows):
-    run_random_ops(ops, lambda r: (STEMS[r % 3] * 3)[: 1 + (r >> 2) % 27], block_size, num_blocks, windows)
+SINKS = st.sampled_from([0, 0, 1, 3, 5])  # StreamingLLM attention sinks kept by sliding groups
 
 
 @settings(max_examples=150, deadline=None)
-@given(ops=shared_ops, block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(6, 80), windows=group_windows)
-def test_random_shared_prefixes_with_sliding_groups_keep_invariants(ops, block_size, num_blocks, windows):
-    run_random_ops(ops, lambda prompt: prompt, block_size, num_blocks, windows)
+@given(ops=ops, block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(3, 60), windows=group_windows,
+       sinks=SINKS)
+def test_random_ops_with_sliding_groups_keep_invariants(ops, block_size, num_blocks, windows, sinks):
+    run_random_ops(ops, lambda r: (STEMS[r % 3] * 3)[: 1 + (r >> 2) % 27], block_size, num_blocks, windows, sinks)
 
 
-def run_random_ops(ops, prompt_of, block_size: int, num_blocks: int, windows=(None,)) -> None:
-    bm = BlockManager(num_blocks, block_size, group_windows=windows)
+@settings(max_examples=150, deadline=None)
+@given(ops=shared_ops, block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(6, 80), windows=group_windows,
+       sinks=SINKS)
+def test_random_shared_prefixes_with_sliding_groups_keep_invariants(ops, block_size, num_blocks, windows, sinks):
+    run_random_ops(ops, lambda prompt: prompt, block_size, num_blocks, windows, sinks)
+
+
+def run_random_ops(ops, prompt_of, block_size: int, num_blocks: int, windows=(None,), sinks: int = 0) -> None:
+    bm = BlockManager(num_blocks, block_size, group_windows=windows, sink_tokens=sinks)
     kv = FakeKV(bm)
     live: list[Sequence] = []
     for op, r in ops:

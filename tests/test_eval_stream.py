@@ -21,6 +21,7 @@ from kvserve.model.streaming import (LayerCache, StreamingAttention, StreamPolic
                                      query_ranks, stream_attention)
 from tests.conftest import WIKITEXT
 from tests.logits import all_position_logits
+from tests.streaming_reference import LiteralStreaming
 from tests.tiny_models import VOCAB, make_model
 
 DATA = WIKITEXT / "wiki.test.raw"
@@ -37,55 +38,6 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def gemma_tokens(gemma):
     return ev.load_token_stream(gemma.tokenizer, DATA, 320, gemma.config.bos_token_id)
-
-
-class LiteralStreaming:
-    """Token-by-token StreamingLLM as the paper states it, sharing no code with streaming.py.
-
-    Per layer a list of pre-RoPE (k, v); after appending token i, keep the first `sinks` entries
-    and the last `window`; keys are rotated by their index in the list, the query by the last
-    index. Global layers use (sinks, window); a sliding layer (native window w) keeps
-    (0, min(w, sinks + window)); `window=None` is plain full attention with the native windows.
-    """
-
-    def __init__(self, model, sinks: int, window: int | None):
-        cfg = model.config
-        self.rotary = [model.rotary[t] for t in cfg.layer_types]
-        self.keep = []
-        for i in range(cfg.num_layers):
-            native = cfg.window(i)
-            if window is None:
-                self.keep.append((0, native if native is not None else 10**9))
-            elif native is None:
-                self.keep.append((sinks, window))
-            else:
-                self.keep.append((0, min(native, sinks + window)))
-        self.k = [[] for _ in range(cfg.num_layers)]
-        self.v = [[] for _ in range(cfg.num_layers)]
-        self.native_positions = window is None
-        self.position = 0
-
-    def __call__(self, layer, q, k, v):
-        assert q.shape[0] == 1, "the literal reference takes one token at a time"
-        i = layer.layer
-        keys, values = self.k[i], self.v[i]
-        keys.append(k[0].float())
-        values.append(v[0].float())
-        sinks, window = self.keep[i]
-        if len(keys) > sinks + window:
-            del keys[sinks], values[sinks]  # the oldest token that is not a sink
-        n = len(keys)
-        first = self.position - n + 1 if self.native_positions else 0  # full attention: stream positions
-        cos, sin = self.rotary[i].cos_sin(torch.arange(first, first + n), torch.float32)
-        kr = apply_rope(torch.stack(keys), cos, sin)  # [n, KVH, D]
-        qr = apply_rope(q.float(), cos[-1:], sin[-1:])[0]  # [H, D]
-        vs = torch.stack(values)
-        g = q.shape[1] // kr.shape[1]
-        out = []
-        for h in range(q.shape[1]):
-            p = torch.softmax(kr[:, h // g] @ qr[h] * layer.scale, dim=0)
-            out.append(p @ vs[:, h // g])
-        return torch.stack(out)[None].to(q.dtype)
 
 
 def literal_nll(model, tokens: torch.Tensor, sinks: int, window: int | None) -> torch.Tensor:

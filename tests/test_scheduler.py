@@ -162,13 +162,14 @@ class Engine:
             # hold the W - 1 positions before it (reading a released position raises).
             basis = q.num_computed_tokens if q.num_draft_computed is None else \
                 min(q.num_computed_tokens, q.num_draft_computed)
-            for g, w in enumerate(self.bm.group_windows):
-                lo = 0 if w is None else max(0, basis - w + 1)
-                got = [self.slots.get(self.bm.slot(q, p, g)) for p in range(lo, q.num_computed_tokens)]
-                assert got == toks[lo: q.num_computed_tokens], f"seq {q.seq_id} reads wrong KV in group {g}"
+            for g in range(self.bm.num_groups):
+                read = self.bm.needed_positions(g, basis, q.num_computed_tokens)
+                got = [self.slots.get(self.bm.slot(q, p, g)) for p in read]
+                assert got == [toks[p] for p in read], f"seq {q.seq_id} reads wrong KV in group {g}"
                 if q.num_draft_computed is not None:  # a prefix hit must bring the draft's K/V too
-                    got = [self.draft_slots.get(self.bm.slot(q, p, g)) for p in range(lo, q.num_draft_computed)]
-                    assert got == toks[lo: q.num_draft_computed], f"seq {q.seq_id} reads wrong draft KV"
+                    read = self.bm.needed_positions(g, basis, q.num_draft_computed)
+                    got = [self.draft_slots.get(self.bm.slot(q, p, g)) for p in read]
+                    assert got == [toks[p] for p in read], f"seq {q.seq_id} reads wrong draft KV"
         for q in self.sched.waiting:
             assert not any(q.block_tables) and q.status is SequenceStatus.WAITING
         self.num_released += any(NULL_BLOCK in t for q in self.sched.running for t in q.block_tables)
@@ -601,26 +602,23 @@ group_windows = st.sampled_from([1, 2, 3, 5, 8]).flatmap(
 
 @settings(max_examples=200, deadline=None)
 @given(
-    ops=st.lists(st.tuples(st.sampled_from(OPS + ["add"]), st.integers(0, 10**6)), min_size=10, max_size=50),
+    **{k: v for k, v in SHARED_PREFIX_WORKLOAD.items() if k != "num_blocks"},
     blocks_per_group=st.integers(2, 12),
-    block_size=st.sampled_from([1, 2, 4]),
-    max_num_seqs=st.integers(1, 6),
-    budget=st.integers(1, 16),
-    chunked=st.booleans(),
-    seed=st.integers(0, 3),
     spec_k=st.integers(0, 4),
     draft_cache=st.booleans(),
     windows=group_windows,
+    sinks=st.sampled_from([0, 0, 1, 3]),
 )
 def test_random_workloads_with_sliding_groups_keep_invariants_and_finish(ops, blocks_per_group, block_size,
                                                                         max_num_seqs, budget, chunked, seed, spec_k,
-                                                                        draft_cache, windows):
+                                                                        draft_cache, windows, sinks):
     """Layer groups with sliding-window release under the whole scheduler: chunked prefill,
     prefix hits, forks, preemption, aborts and speculative rollback (with a lagging draft cache).
     Every running sequence reads back its own tokens wherever a window needs them, requests that
     can never fit are rejected (never wedged), and every block comes back."""
     eng = run_random_workload(ops, shared_prompt, blocks_per_group * len(windows), block_size, max_num_seqs, budget,
-                              chunked, seed, spec_k=spec_k, draft_cache=draft_cache and spec_k > 0, windows=windows)
+                              chunked, seed, spec_k=spec_k, draft_cache=draft_cache and spec_k > 0, windows=windows,
+                              sinks=sinks)
     if eng.num_released:
         event("sliding-window release")
 
@@ -649,8 +647,8 @@ def test_rejection_counts_the_real_need_of_sliding_groups():
 
 def run_random_workload(ops, prompt_of, num_blocks: int, block_size: int, max_num_seqs: int, budget: int,
                         chunked: bool, seed: int, spec_k: int = 0, draft_cache: bool = False,
-                        windows=(None,)) -> Engine:
-    bm = BlockManager(num_blocks, block_size, group_windows=windows)
+                        windows=(None,), sinks: int = 0) -> Engine:
+    bm = BlockManager(num_blocks, block_size, group_windows=windows, sink_tokens=sinks)
     sched = Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                       max_model_len=24, enable_chunked_prefill=chunked, num_speculative_tokens=spec_k)
     eng = Engine(sched, seed, draft_cache)

@@ -46,12 +46,15 @@ def make_config(kind: str):
     raise ValueError(kind)
 
 
-def make_model(kind: str, folder: Path, shard: bool = False):
-    """Write a random tiny model + tokenizer to `folder`; return the HF model (fp32, eval)."""
+def make_model(kind: str, folder: Path, shard: bool = False, **overrides):
+    """Write a random tiny model + tokenizer to `folder`; return the HF model (fp32, eval).
+    `overrides`: config attributes to change (e.g. max_position_embeddings)."""
     import transformers as tf
 
     torch.manual_seed(1234)
     cfg = make_config(kind)
+    for name, value in overrides.items():
+        setattr(cfg, name, value)
     cls = tf.Gemma3ForCausalLM if kind == "gemma3" else tf.AutoModelForCausalLM
     model = cls.from_config(cfg) if cls is tf.AutoModelForCausalLM else cls(cfg)
     if kind == "gemma3":  # random norm deltas so the (1 + w) convention is exercised

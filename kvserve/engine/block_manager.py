@@ -21,7 +21,9 @@ layers) from the ONE free pool below. Group 0 is `seq.block_table`, groups 1.. a
 positions before a query, so once a block lies wholly before `basis - W + 1` (`basis` = the
 first position any cache will still compute, i.e. the next query) it is released (one
 reference dropped, back to the pool keeping its hash) and its table entry becomes
-`NULL_BLOCK`: a table's NULL entries are always a leading run. Full groups keep every block.
+`NULL_BLOCK`: a table's NULL entries are always one run, leading unless `sink_tokens` > 0
+(StreamingLLM: sliding groups also keep the blocks of the first `sink_tokens` positions, the
+attention sinks, and the run starts after them). Full groups keep every block.
 With one group and no window (the default) this is exactly the classic single-table manager.
 
 Prefix hits with groups. Each group registers its own pages under the shared chained hashes
@@ -118,7 +120,7 @@ class _SeqState:
     hashes: list[BlockHash] = field(default_factory=list)  # hashes of the known full blocks
     num_registered: int = 0  # leading full blocks already offered to the prefix cache
     inflight: range = range(0)  # logical blocks currently indexed in BlockManager._inflight
-    released: dict[int, int] = field(default_factory=dict)  # sliding group -> leading NULL entries
+    released: dict[int, int] = field(default_factory=dict)  # sliding group -> end of its NULL run
 
 
 class _Plan(NamedTuple):
@@ -149,14 +151,20 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
-                 group_windows: Seq[int | None] = (None,)):
+                 group_windows: Seq[int | None] = (None,), sink_tokens: int = 0):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         group_windows = tuple(group_windows)
         if not group_windows or any(w is not None and w < 1 for w in group_windows):
             raise ValueError(f"group_windows must be a non-empty list of windows >= 1 or None, got {group_windows}")
+        if sink_tokens < 0 or (sink_tokens and all(w is None for w in group_windows)):
+            raise ValueError(f"sink_tokens must be >= 0 and needs a sliding group, got {sink_tokens}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        # StreamingLLM: sliding groups also keep the blocks of the first `sink_tokens` positions
+        # for good; their released entries are then the run [sink_blocks, ...), not a leading one.
+        self.sink_tokens = sink_tokens
+        self.sink_blocks = -(-sink_tokens // block_size)
         self.enable_prefix_caching = enable_prefix_caching
         self.group_windows = group_windows
         self.num_groups = len(group_windows)
@@ -205,7 +213,7 @@ class BlockManager:
             if w is None or keep_all:
                 total += full
             else:
-                total += min(full, blocks_touched(max(w - 1, 1) + max_chunk, self.block_size))
+                total += min(full, self.sink_blocks + blocks_touched(max(w - 1, 1) + max_chunk, self.block_size))
         return total
 
     def max_tokens_per_seq(self, max_chunk: int, keep_all: bool = False) -> int | None:
@@ -314,7 +322,22 @@ class BlockManager:
                     if page(g, i) is None:
                         k, changed = i, True  # no hit may include block i for this group
                     i -= 1
+            if self.sink_blocks:  # the sink blocks, kept by every sliding group
+                for g in self._sliding:
+                    for i in range(min(self.sink_blocks, k)):
+                        if page(g, i) is None:
+                            k, changed = i, True
+                            break
         return k
+
+    def _hit_row(self, g: int, k: int, page: Callable[[int, int], int | None]) -> list[int]:
+        """Group g's table for a hit of k blocks: cached pages, NULL_BLOCK where a sliding
+        group needs none (between its sink blocks and its window)."""
+        w = self.group_windows[g]
+        lo = 0 if w is None else self._hit_first_block(k, w)
+        keep = min(self.sink_blocks, lo)
+        return ([page(g, i) for i in range(keep)] + [NULL_BLOCK] * (lo - keep)  # type: ignore[misc]
+                + [page(g, i) for i in range(lo, k)])
 
     def _lookup(self, seq: Sequence) -> list[list[int]] | None:
         """Per group, the pages of seq's longest usable cached prefix (NULL_BLOCK where a
@@ -329,11 +352,7 @@ class BlockManager:
         k = self._hit_length(max_blocks, page)
         if k == 0:
             return None
-        hits = []
-        for g, w in enumerate(self.group_windows):
-            lo = 0 if w is None else self._hit_first_block(k, w)
-            hits.append([NULL_BLOCK] * lo + [page(g, i) for i in range(lo, k)])  # type: ignore[misc]
-        return hits
+        return [self._hit_row(g, k, page) for g in range(self.num_groups)]
 
     def num_cached_tokens(self, seq: Sequence) -> int:
         """Tokens the prefix cache would supply if seq were allocated now (no side effects)."""
@@ -458,7 +477,8 @@ class BlockManager:
                 seq.num_draft_computed = seq.num_computed_tokens
             st = self._state(seq)
             st.num_registered = num_hit
-            st.released = {g: self._hit_first_block(num_hit, self.group_windows[g]) for g in self._sliding}
+            st.released = {g: stop for g in self._sliding
+                           if (stop := self._hit_first_block(num_hit, self.group_windows[g])) > self.sink_blocks}
         self._pending_copies.extend(self.copy_on_write(seq, num_new_tokens))
         target = self.blocks_for(seq.num_computed_tokens + num_new_tokens)
         for table in tables:
@@ -571,7 +591,7 @@ class BlockManager:
             if stop == 0:
                 continue
             st = self._state(seq)
-            done = st.released.get(g, 0)
+            done = max(st.released.get(g, 0), self.sink_blocks)
             if tables is None:
                 tables = self.tables(seq)
             table = tables[g]
@@ -670,6 +690,15 @@ class BlockManager:
         self._free_cached.clear()
 
     # ---- testing aid ------------------------------------------------------------------
+    def needed_positions(self, group: int, basis: int, n: int) -> list[int]:
+        """Positions < n whose K/V group `group` must still hold when the next query comes at
+        `basis` or later: all in a full group; the sinks and the last window - 1 positions
+        before `basis` in a sliding one."""
+        w = self.group_windows[group]
+        if w is None:
+            return list(range(n))
+        return sorted(set(range(min(self.sink_tokens, n))) | set(range(max(0, basis - w + 1), n)))
+
     def check_invariants(self, seqs: Iterable[Sequence]) -> None:
         """Assert the bookkeeping is consistent with the given live sequences' block tables."""
         seqs = list(seqs)  # walked several times
@@ -734,9 +763,11 @@ class BlockManager:
             if nulls == 0:
                 continue
             assert w is not None, f"seq {s.seq_id}: a full-attention group released a block"
-            assert all(b == NULL_BLOCK for b in table[:nulls]), f"seq {s.seq_id}: a released block after a held one"
-            assert st is not None and st.released.get(g, 0) == nulls, f"seq {s.seq_id}: release count is off"
-            assert nulls <= self.first_needed_block(_num_registrable(s), w), (
+            lo = self.sink_blocks
+            assert all(b == NULL_BLOCK for b in table[lo:lo + nulls]), (
+                f"seq {s.seq_id}: released blocks are not one run after the sink blocks")
+            assert st is not None and st.released.get(g, 0) == lo + nulls, f"seq {s.seq_id}: release count is off"
+            assert lo + nulls <= self.first_needed_block(_num_registrable(s), w), (
                 f"seq {s.seq_id}: group {g} released a block its window still needs"
             )
 

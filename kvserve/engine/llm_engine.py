@@ -23,6 +23,7 @@ from kvserve.loading import LoadedModel, load_model
 from kvserve.loading.loader import build_model, resolve_dtype
 from kvserve.model.attention import KVCache
 from kvserve.model.config import LayerGroup, kv_layer_groups
+from kvserve.model.streaming import StreamPolicy, layer_policies
 from kvserve.sampling import Sampler, SamplingRequest
 from kvserve.sampling.sampler import penalizes as _needs_penalties
 from kvserve.sampling.stop import IncrementalDetokenizer, StopChecker
@@ -32,6 +33,9 @@ from kvserve.spec.proposers import Draft, ModelDrafter, NgramDrafter
 from kvserve.spec.rejection import rejection_sample
 
 log = logging.getLogger(__name__)
+# StreamingLLM's default context cap: a position is only a stream index there (the model sees
+# ranks in its bounded cache), so this bounds bookkeeping, not memory. --max-model-len changes it.
+STREAMING_MAX_MODEL_LEN = 1 << 20
 
 _FINISH = {"stop": SequenceStatus.FINISHED_STOPPED, "length": SequenceStatus.FINISHED_LENGTH}
 
@@ -61,7 +65,8 @@ class LLMEngine:
         self.loaded = loaded or load_model(cfg.model, cfg.dtype, cfg.device)
         self.model_config = mc = self.loaded.model.config
         self.tokenizer = self.loaded.tokenizer
-        self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.stream_policies = self._stream_policies()
+        self.max_model_len = self._max_model_len()
         kv_dtype = next(self.loaded.model.parameters()).dtype
         self.layer_groups = self._layer_groups()
         group_size = len(self.layer_groups[0].layers)
@@ -70,10 +75,12 @@ class LLMEngine:
         self.num_blocks = max(len(self.layer_groups), int(cfg.kv_cache_gib * 2**30 // self.page_bytes))  # pages
         self.kv_cache = KVCache(mc.num_layers, self.num_blocks * cfg.block_size, mc.num_kv_heads, mc.head_dim,
                                 kv_dtype, cfg.device, layer_groups=[g.layers for g in self.layer_groups])
-        self.runner = ModelRunner(self.loaded.model, self.kv_cache, cfg.block_size, cfg.device)
+        self.runner = ModelRunner(self.loaded.model, self.kv_cache, cfg.block_size, cfg.device,
+                                  stream_policies=self.stream_policies)
         self.block_manager = BlockManager(self.num_blocks, cfg.block_size,
                                           enable_prefix_caching=cfg.enable_prefix_caching and cfg.use_kv_cache,
-                                          group_windows=[g.window for g in self.layer_groups])
+                                          group_windows=[g.window for g in self.layer_groups],
+                                          sink_tokens=cfg.attention_sinks if self.stream_policies else 0)
         self.drafter = self._make_drafter()
         self._cap_max_model_len()
         self._log_pool()
@@ -90,12 +97,37 @@ class LLMEngine:
         self._request_ids = itertools.count()
         self.clock = time.perf_counter  # the one monotonic clock for every timestamp
 
+    def _stream_policies(self) -> list[StreamPolicy] | None:
+        """StreamingLLM's per-layer policies (None when off). The ranks given to cached keys
+        must stay within the positions the model was trained on."""
+        cfg, mc = self.config, self.model_config
+        if cfg.streaming_window is None:
+            return None
+        budget = cfg.attention_sinks + cfg.streaming_window
+        if budget > mc.max_position_embeddings:
+            raise ValueError(f"attention_sinks + streaming_window = {budget} exceeds the model's context "
+                             f"(max_position_embeddings {mc.max_position_embeddings})")
+        return layer_policies(mc, cfg.attention_sinks, cfg.streaming_window)
+
+    def _max_model_len(self) -> int:
+        """The context cap: the model's trained context, or with StreamingLLM (whose positions
+        are ranks in a bounded cache) what the user asks, by default STREAMING_MAX_MODEL_LEN."""
+        cfg, mc = self.config, self.model_config
+        if self.stream_policies is not None:
+            return cfg.max_model_len or STREAMING_MAX_MODEL_LEN
+        return min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+
     def _layer_groups(self) -> list[LayerGroup]:
         """KV layer groups: with sliding-window release, full and sliding layers get separate
         block tables so sliding ones can return their old blocks. Off without a KV cache (that
         baseline recomputes from position 0 into the same blocks) and with a separate draft
-        model (its layers do not map onto the target's groups; it shares group 0's table)."""
+        model (its layers do not map onto the target's groups; it shares group 0's table).
+        With StreamingLLM every layer reads only sinks + its window: one group of every layer
+        whose window is the longest any layer looks back (its sink blocks are kept too)."""
         cfg = self.config
+        if self.stream_policies is not None:
+            lookback = max(p.window for p in self.stream_policies)
+            return [LayerGroup(tuple(range(self.model_config.num_layers)), lookback)]
         release = cfg.sliding_window_release and cfg.use_kv_cache and cfg.speculative != "draft"
         return kv_layer_groups(self.model_config, release)
 

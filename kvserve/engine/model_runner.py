@@ -9,6 +9,7 @@ import torch
 
 from kvserve.model.attention import AttentionMetadata, DecodeBatch, KVCache, SeqAttention
 from kvserve.model.base import CausalLM
+from kvserve.model.streaming import PagedStreamingAttention, StreamPolicy
 
 
 @dataclass
@@ -31,12 +32,18 @@ class StepInput:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_cache: KVCache, block_size: int, device: torch.device | str = "cpu"):
+    def __init__(self, model: CausalLM, kv_cache: KVCache, block_size: int, device: torch.device | str = "cpu",
+                 stream_policies: list[StreamPolicy] | None = None):
+        """`stream_policies`: StreamingLLM, one policy per layer (None: the model's own
+        attention). Then the pool holds pre-RoPE keys and every sequence, decodes included,
+        gets a per-sequence attention view (see kvserve/model/streaming.py)."""
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = torch.device(device)
         self._block_offsets = torch.arange(block_size, device=self.device)
+        self.stream_policies = stream_policies
+        self._rotary = [model.rotary[t] for t in model.config.layer_types]
 
     def _ctx_slots(self, block_table: Seq[int], ctx_len: int) -> torch.Tensor:
         """Slot of each logical position [ctx_len]: block_table[p // bs] * bs + p % bs.
@@ -70,7 +77,7 @@ class ModelRunner:
             q_start = len(ids)
             ids.extend(inp.token_ids)
             positions.extend(range(inp.start_pos, end))
-            if n == 1:  # decode: one new slot per group, computed in Python (no per-sequence tensors)
+            if n == 1 and self.stream_policies is None:  # decode: one new slot per group, in Python
                 blk, off = divmod(inp.start_pos, bs)
                 for g, table in enumerate(tables):
                     if len(table) <= blk or table[blk] < 0:
@@ -122,6 +129,8 @@ class ModelRunner:
         `num_layers`: exit after that many layers (a self-speculative draft); only those layers'
         K/V are written."""
         input_ids, positions, meta, logit_rows = self.prepare(inputs)
+        if self.stream_policies is not None:  # StreamingLLM owns pool writes and rotation
+            meta.custom = PagedStreamingAttention(self.kv_cache, meta, positions, self.stream_policies, self._rotary)
         hidden = self.model(input_ids, positions, self.kv_cache, meta, num_layers=num_layers)
         if logit_rows.numel() == 0:
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)

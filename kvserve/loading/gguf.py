@@ -46,7 +46,7 @@ _FAMILY_LAYER_NAMES = {
 _GLOBAL_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
 
 
-def _open(path: Path):
+def open_gguf(path: Path):
     import gguf
 
     try:
@@ -204,7 +204,7 @@ def load_gguf(path: Path) -> tuple[ModelConfig, Path, Path]:
 def _convert(path: Path, cfg_file: Path, weights: Path, tok_file: Path) -> None:
     from safetensors.torch import save_file
 
-    reader = _open(path)
+    reader = open_gguf(path)
     cfg = read_gguf_config(reader, path)
     sd = gguf_state_dict(reader, cfg, path)
     if not tok_file.exists():

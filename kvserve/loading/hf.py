@@ -48,7 +48,7 @@ def _rope_params(c: dict, layer_types: list[str]) -> dict[str, RopeConfig]:
     return rope
 
 
-def _layer_types(c: dict, model_type: str, n_layers: int) -> list[str]:
+def layer_types_of(c: dict, model_type: str, n_layers: int) -> list[str]:
     if isinstance(c.get("layer_types"), list):
         return list(c["layer_types"])
     if model_type == "gemma3_text":
@@ -97,7 +97,7 @@ def read_hf_config(folder: Path) -> ModelConfig:
     try:
         hidden, heads, n_layers = int(c["hidden_size"]), int(c["num_attention_heads"]), int(c["num_hidden_layers"])
         head_dim = int(c.get("head_dim") or hidden // heads)
-        layer_types = _layer_types(c, model_type, n_layers)
+        layer_types = layer_types_of(c, model_type, n_layers)
         gemma = model_type == "gemma3_text"
         if gemma and c.get("attn_logit_softcapping"):
             raise ModelLoadError(cfg_path, "attn_logit_softcapping is not supported")

@@ -138,29 +138,51 @@ def stream_attention(
     """Attention of a chunk's queries over a cache that already holds the chunk's own K/V.
 
     q [T, H, D] pre-RoPE, q_pos [T] consecutive stream positions -> [T, H, D] (q's dtype).
-    Scores, softmax and the value sum run in fp32. A query at i sees the sinks s <= i and the
-    window keys j with i - window < j <= i.
     """
-    policy = cache.policy
+    return attend_sinks_and_window(q, q_pos, cache.policy, cache.sink_k, cache.sink_v, cache.k, cache.v, cache.pos,
+                                   rotary, scale)
+
+
+def attend_sinks_and_window(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    policy: StreamPolicy,
+    sink_k: torch.Tensor | None,
+    sink_v: torch.Tensor | None,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_pos: torch.Tensor,
+    rotary: RotaryEmbedding,
+    scale: float,
+) -> torch.Tensor:
+    """StreamingLLM attention of a chunk over explicit pre-RoPE K/V.
+
+    q [T, H, D], q_pos [T] consecutive stream positions; sink_k, sink_v [n_sink, KVH, D] the
+    stream's first tokens (None or empty: no sinks); k, v [L, KVH, D] window tokens at stream
+    positions k_pos [L] (increasing, every one >= policy.sinks), the chunk's own included.
+    -> [T, H, D] in q's dtype. Scores, softmax and the value sum run in fp32. A query at i sees
+    the sinks s <= i and the window keys j with i - window < j <= i.
+    """
     dtype, f32 = q.dtype, torch.float32
     q = q.float()
     shift = chunk_shift(int(q_pos[0]), policy)
     q_win = _rotate(q, q_pos - shift, rotary)
-    k_win = _rotate(cache.k.float(), cache.pos - shift, rotary)
-    visible = cache.pos[None, :] <= q_pos[:, None]  # [T, L]
+    k_win = _rotate(k.float(), k_pos - shift, rotary)
+    visible = k_pos[None, :] <= q_pos[:, None]  # [T, L]
     if policy.window is not None:
-        visible &= cache.pos[None, :] > q_pos[:, None] - policy.window
+        visible &= k_pos[None, :] > q_pos[:, None] - policy.window
     scores = [_grouped_scores(q_win, k_win)]
-    masks, values = [visible], [cache.v.float()]
-    if cache.num_sinks:
-        sink_pos = torch.arange(cache.num_sinks, device=q.device)  # a sink's rank is its position
+    masks, values = [visible], [v.float()]
+    num_sinks = 0 if sink_k is None else int(sink_k.shape[0])
+    if num_sinks:
+        sink_pos = torch.arange(num_sinks, device=q.device)  # a sink's rank is its position
         q_sink = _rotate(q, query_ranks(q_pos, policy), rotary)
-        k_sink = _rotate(cache.sink_k.float(), sink_pos, rotary)
+        k_sink = _rotate(sink_k.float(), sink_pos, rotary)
         scores.insert(0, _grouped_scores(q_sink, k_sink))
         masks.insert(0, sink_pos[None, :] <= q_pos[:, None])
-        values.insert(0, cache.sink_v.float())
+        values.insert(0, sink_v.float())
     s = torch.cat(scores, dim=-1) * scale  # [KVH, G*T, n_keys]
-    G = q.shape[1] // cache.k.shape[1]
+    G = q.shape[1] // k.shape[1]
     mask = torch.cat(masks, dim=-1).repeat(G, 1)  # rows ordered (group, query) like the scores
     s = s.masked_fill(~mask, float("-inf"))
     out = torch.softmax(s, dim=-1, dtype=f32) @ torch.cat(values).transpose(0, 1)  # [KVH, G*T, D]
@@ -250,4 +272,47 @@ class StreamingAttention:
         size.total_bytes += cache.nbytes
         out = stream_attention(q, self.positions, cache, self.rotary[layer.layer], layer.scale)
         cache.evict(int(self.positions[-1]) + 1)
+        return out
+
+
+class PagedStreamingAttention:
+    """The `AttentionMetadata.custom` callable of the engine's StreamingLLM mode
+    (`EngineConfig.attention_sinks` / `streaming_window`).
+
+    K/V live in the engine's paged pool, keys BEFORE RoPE (so every step can rotate them by
+    their rank in the cache, as `attend_sinks_and_window` does). Per sequence, a layer reads
+    its sinks (positions [0, sinks)) and its window (the last `window` positions up to each
+    query); the block manager has released the blocks between them, whose table entries only
+    ever reach `ctx_slots` as placeholders that are never read here. Decodes come as
+    one-token chunks (the runner builds a `SeqAttention` for every sequence in this mode).
+    """
+
+    def __init__(self, kv_cache, meta, positions: torch.Tensor, policies: list[StreamPolicy],
+                 rotary: list[RotaryEmbedding]):
+        """kv_cache: the engine's KVCache; meta: the step's AttentionMetadata (without
+        `custom`); positions [T]: stream positions of the step's tokens."""
+        self.kv_cache, self.meta, self.positions = kv_cache, meta, positions
+        self.policies, self.rotary = policies, rotary
+
+    def __call__(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """layer: the calling `Attention`; q [T, H, D], k, v [T, KVH, D] pre-RoPE -> [T, H, D]."""
+        k_pool, v_pool, group = self.kv_cache.layer(layer.layer)
+        meta = self.meta.for_group(group)
+        k_pool.index_copy_(0, meta.slot_mapping, k.to(k_pool.dtype))
+        v_pool.index_copy_(0, meta.slot_mapping, v.to(v_pool.dtype))
+        policy, rotary = self.policies[layer.layer], self.rotary[layer.layer]
+        out = torch.empty_like(q)
+        for s in meta.seqs:
+            rows = slice(s.q_start, s.q_start + s.q_len)
+            first_q = s.ctx_len - s.q_len
+            num_sinks = min(policy.sinks, s.ctx_len)
+            lo = max(policy.sinks, first_q - policy.window + 1) if policy.window is not None else policy.sinks
+            lo = min(lo, s.ctx_len)
+            sinks, window = s.ctx_slots[:num_sinks], s.ctx_slots[lo:]
+            out[rows] = attend_sinks_and_window(
+                q[rows], self.positions[rows], policy,
+                k_pool.index_select(0, sinks), v_pool.index_select(0, sinks),
+                k_pool.index_select(0, window), v_pool.index_select(0, window),
+                torch.arange(lo, s.ctx_len, device=q.device), rotary, layer.scale,
+            ).to(q.dtype)
         return out

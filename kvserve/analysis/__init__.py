@@ -1,0 +1,1 @@
+"""Back-of-the-envelope inference analysis: the roofline (`kvserve roofline`)."""

@@ -1,0 +1,350 @@
+"""Roofline arithmetic for transformer inference: the lecture's numbers as code (no torch here).
+
+Units everywhere: FLOPs and FLOP/s, bytes and bytes/s, seconds, tokens.
+
+A step runs `batch` sequences, each with `new_tokens` (T) query tokens attending to `context`
+(S) cached tokens: prefill is T = S = prompt length, decode is T = 1 at context S. Every matmul
+`[M, K] x [K, N]` costs 2MKN FLOPs and moves (MK + KN + MN) elements; attention per sequence
+moves Q, K, V and the output once. An operation's time is the roofline
+max(FLOPs / peak, bytes / bandwidth); a step's time is the sum over operations. Memory is the
+weights plus the KV cache of every sequence at length S (activations are ignored).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """An accelerator (or this machine): peak dense FLOP/s, memory bandwidth (bytes/s) and
+    memory capacity (bytes)."""
+
+    name: str
+    flops: float
+    bandwidth: float
+    memory: float
+
+    @property
+    def intensity(self) -> float:
+        """FLOP/byte above which an operation is compute-bound (peak / bandwidth)."""
+        return self.flops / self.bandwidth
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The shapes that set a decoder-only transformer's cost.
+
+    MLA (`kv_latent` = d_c set): each token caches a latent of d_c plus a shared RoPE key of
+    `rope_dim` (d_rope) per layer; `head_dim` is then the non-RoPE query/key and the value head
+    size (DeepSeek's qk_nope_head_dim = v_head_dim), so a query/key head is head_dim + rope_dim
+    wide. Attention is costed in the absorbed form (K/V never materialized). MoE (`experts` > 0):
+    every layer after the first `dense_layers` has `experts` routed experts of
+    `expert_intermediate` (each token uses `experts_per_token`) plus `shared_experts`.
+    Sliding-window layers (`sliding_layers` of them) cache at most `sliding_window` tokens.
+    """
+
+    name: str
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied_embeddings: bool = False
+    gated_mlp: bool = True  # gate, up and down projections (SwiGLU/GeGLU); False: up and down
+    weight_bytes: float = 2.0  # bytes per weight and per activation element (2 = bf16)
+    kv_bytes: float = 2.0  # bytes per cached K/V (or latent) element
+    kv_latent: int | None = None  # MLA d_c
+    q_latent: int | None = None  # MLA query compression rank (DeepSeek-V2/V3; None in V2-Lite)
+    rope_dim: int = 0  # MLA d_rope
+    sliding_window: int | None = None
+    sliding_layers: int = 0
+    experts: int = 0
+    experts_per_token: int = 0
+    shared_experts: int = 0
+    expert_intermediate: int = 0
+    dense_layers: int = 0
+    norms_per_layer: int = 2  # RMSNorm vectors of `hidden` per layer (Gemma 3: 4)
+    qk_norm: bool = False  # a head_dim norm on queries and on keys
+
+    def __post_init__(self) -> None:
+        for f in ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"{self.name}: {f} must be >= 1, got {getattr(self, f)}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"{self.name}: kv_heads ({self.kv_heads}) must divide heads ({self.heads})")
+        if self.weight_bytes <= 0 or self.kv_bytes <= 0:
+            raise ValueError(f"{self.name}: bytes per element must be > 0")
+        if not 0 <= self.sliding_layers <= self.layers or (self.sliding_layers and not self.sliding_window):
+            raise ValueError(f"{self.name}: sliding_layers needs 0..layers layers and a sliding_window")
+        if self.experts and not 0 < self.experts_per_token <= self.experts:
+            raise ValueError(f"{self.name}: experts_per_token must be in 1..experts")
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_latent is not None
+
+    @property
+    def mlp_matrices(self) -> int:
+        return 3 if self.gated_mlp else 2
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.dense_layers if self.experts else 0
+
+
+# --- sizes -------------------------------------------------------------------------------------
+
+
+def attention_params(m: ModelShape) -> int:
+    """Weights of one layer's attention projections."""
+    d, n, h = m.hidden, m.heads, m.head_dim
+    if m.mla:  # q (or q_a, q_b), kv_a (latent + RoPE key), kv_b (latent -> K_nope and V), o
+        q_out = n * (h + m.rope_dim)
+        q = (d + q_out) * m.q_latent if m.q_latent else d * q_out
+        return q + d * (m.kv_latent + m.rope_dim) + m.kv_latent * 2 * n * h + n * h * d
+    return d * n * h + 2 * d * m.kv_heads * h + n * h * d
+
+
+def _expert_params(m: ModelShape) -> int:
+    return m.mlp_matrices * m.hidden * m.expert_intermediate
+
+
+def num_params(m: ModelShape, active: bool = False) -> int:
+    """All parameters (norms included); with `active`, only the experts one token uses."""
+    dense_mlp = m.mlp_matrices * m.hidden * m.intermediate
+    used = (m.experts_per_token if active else m.experts) + m.shared_experts
+    moe_mlp = used * _expert_params(m) + m.experts * m.hidden  # experts + router
+    norms = (m.norms_per_layer * m.hidden + (2 * m.head_dim if m.qk_norm else 0) + (m.kv_latent or 0)
+             + (m.q_latent or 0))
+    per_layer = attention_params(m) + norms
+    embeddings = m.vocab * m.hidden * (1 if m.tied_embeddings else 2)
+    return (m.layers * per_layer + (m.layers - m.moe_layers) * dense_mlp + m.moe_layers * moe_mlp
+            + embeddings + m.hidden)
+
+
+def weight_memory(m: ModelShape) -> float:
+    """Bytes of all weights."""
+    return num_params(m) * m.weight_bytes
+
+
+def kv_elements_per_token_layer(m: ModelShape) -> int:
+    """Cached elements per token per layer: 2·K·H (K and V), or d_c + d_rope for MLA."""
+    return m.kv_latent + m.rope_dim if m.mla else 2 * m.kv_heads * m.head_dim
+
+
+def kv_bytes_per_token(m: ModelShape) -> float:
+    """KV bytes one token adds in every layer (sliding windows not counted)."""
+    return kv_elements_per_token_layer(m) * m.layers * m.kv_bytes
+
+
+def _layer_contexts(m: ModelShape, context: int) -> list[tuple[int, int]]:
+    """(number of layers, tokens cached) groups: full-attention layers keep all `context`
+    tokens, sliding layers at most the window."""
+    groups = [(m.layers - m.sliding_layers, context)]
+    if m.sliding_layers:
+        groups.append((m.sliding_layers, min(context, m.sliding_window)))
+    return [(n, s) for n, s in groups if n]
+
+
+def kv_bytes_per_sequence(m: ModelShape, seq_len: int) -> float:
+    """KV bytes of one sequence of `seq_len` tokens (2 · bytes · S · K · H · L without MLA or
+    sliding windows)."""
+    per = kv_elements_per_token_layer(m) * m.kv_bytes
+    return sum(n * s * per for n, s in _layer_contexts(m, seq_len))
+
+
+def memory(m: ModelShape, batch: int, seq_len: int) -> float:
+    """Bytes to serve `batch` sequences of `seq_len` tokens: weights + KV cache."""
+    return weight_memory(m) + batch * kv_bytes_per_sequence(m, seq_len)
+
+
+def max_batch(m: ModelShape, hw: Hardware, seq_len: int) -> int:
+    """Largest batch whose memory fits in `hw` (0 when the weights alone do not fit)."""
+    free = hw.memory - weight_memory(m)
+    return max(0, math.floor(free / kv_bytes_per_sequence(m, seq_len))) if free >= 0 else 0
+
+
+# --- operations --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """One operation summed over all layers: FLOPs and bytes moved."""
+
+    name: str
+    flops: float
+    bytes: float
+
+    @property
+    def intensity(self) -> float:
+        """Arithmetic intensity, FLOP/byte."""
+        return self.flops / self.bytes
+
+    def time(self, hw: Hardware) -> float:
+        """Roofline time in seconds: the slower of compute and memory traffic."""
+        return max(self.flops / hw.flops, self.bytes / hw.bandwidth)
+
+    def bound(self, hw: Hardware) -> str:
+        return "compute" if self.intensity >= hw.intensity else "memory"
+
+    def __add__(self, other: "OpCost") -> "OpCost":
+        return OpCost(self.name, self.flops + other.flops, self.bytes + other.bytes)
+
+    def __mul__(self, k: float) -> "OpCost":
+        return OpCost(self.name, self.flops * k, self.bytes * k)
+
+
+def matmul(name: str, m: float, k: float, n: float, elem_bytes: float) -> OpCost:
+    """`[m, k] x [k, n]`: 2mkn FLOPs, (mk + kn + mn) elements moved. With bf16 the intensity is
+    mkn / (mk + kn + mn), about m when m << k, n."""
+    return OpCost(name, 2 * m * k * n, elem_bytes * (m * k + k * n + m * n))
+
+
+def attention_core(m: ModelShape, batch: int, new_tokens: int, context: int) -> OpCost:
+    """Scores and weighted values over the cache, every layer. Per sequence and layer:
+    4·N·H·T·S FLOPs; Q and output (T·N·H each) plus cached K and V (S·K·H each) moved. With MHA
+    in bf16 the intensity is S·T/(S+T): the batch cancels (it is batched, not contracted).
+    MLA (absorbed): scores over d_c + d_rope, values over d_c, one latent shared by all heads."""
+    b, n, t = batch, m.heads, new_tokens
+    total = OpCost("attention", 0.0, 0.0)
+    for layers, s in _layer_contexts(m, context):
+        if m.mla:
+            flops = 2 * n * t * s * (2 * m.kv_latent + m.rope_dim)
+            act = t * n * (2 * m.kv_latent + m.rope_dim)  # absorbed queries in, latent outputs out
+        else:
+            flops = 4 * n * m.head_dim * t * s
+            act = 2 * t * n * m.head_dim
+        cache = s * kv_elements_per_token_layer(m)
+        total = total + OpCost("attention", flops, act * m.weight_bytes + cache * m.kv_bytes) * (b * layers)
+    return total
+
+
+def _moe_mlp(m: ModelShape, tokens: int) -> OpCost:
+    """One MoE layer for `tokens` tokens: each expert is read once if any token picks it
+    (expected count with uniform routing), every token computes its experts_per_token + shared."""
+    e, k = m.experts, m.experts_per_token
+    touched = e * (1 - (1 - k / e) ** tokens) + m.shared_experts
+    mats, d, f, w = m.mlp_matrices, m.hidden, m.expert_intermediate, m.weight_bytes
+    used = k + m.shared_experts
+    flops = 2 * tokens * used * mats * d * f + 2 * tokens * d * e
+    moved = w * (touched * mats * d * f + d * e + tokens * used * mats * (d + f) + tokens * d)
+    return OpCost("mlp", flops, moved)
+
+
+def step_costs(m: ModelShape, batch: int, new_tokens: int, context: int) -> list[OpCost]:
+    """Per-operation cost of one forward step (all layers) for `batch` sequences of
+    `new_tokens` new tokens each at `context` cached tokens. The LM head runs on the last
+    token of each sequence only."""
+    tokens, w = batch * new_tokens, m.weight_bytes
+    d, n, h = m.hidden, m.heads, m.head_dim
+    if m.mla:
+        q_out = n * (h + m.rope_dim)
+        q_first = m.q_latent or q_out  # q_a then q_b, or q directly
+        qkv = (matmul("qkv_proj", tokens, d, q_first + m.kv_latent + m.rope_dim, w)
+               + matmul("qkv_proj", tokens, m.kv_latent, 2 * n * h, w))  # kv_b, absorbed
+        if m.q_latent:
+            qkv = qkv + matmul("qkv_proj", tokens, m.q_latent, q_out, w)
+    else:
+        qkv = matmul("qkv_proj", tokens, d, (n + 2 * m.kv_heads) * h, w)
+    dense_mlp = matmul("mlp", tokens, d, m.intermediate, w) * m.mlp_matrices
+    mlp = dense_mlp * (m.layers - m.moe_layers)
+    if m.moe_layers:
+        mlp = mlp + _moe_mlp(m, tokens) * m.moe_layers
+    return [
+        qkv * m.layers,
+        attention_core(m, batch, new_tokens, context),
+        matmul("out_proj", tokens, n * h, d, w) * m.layers,
+        mlp,
+        matmul("lm_head", batch, d, m.vocab, w),
+    ]
+
+
+def step_time(ops: list[OpCost], hw: Hardware) -> float:
+    """Seconds for one step: each operation at its own roofline."""
+    return sum(op.time(hw) for op in ops)
+
+
+def prefill_costs(m: ModelShape, batch: int, prompt_len: int) -> list[OpCost]:
+    return step_costs(m, batch, prompt_len, prompt_len)
+
+
+def decode_costs(m: ModelShape, batch: int, context: int) -> list[OpCost]:
+    return step_costs(m, batch, 1, context)
+
+
+# --- batch sweep -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """Decode at context `seq_len` for `batch` sequences: memory (bytes), whether it fits, one
+    step's latency (s, = time per output token) and throughput (output tokens/s)."""
+
+    batch: int
+    memory: float
+    fits: bool
+    step_time: float
+    throughput: float
+    bound: str  # "memory" or "compute": which side of the roofline dominates the step
+
+
+def batch_point(m: ModelShape, hw: Hardware, batch: int, seq_len: int) -> SweepPoint:
+    ops = decode_costs(m, batch, seq_len)
+    t = step_time(ops, hw)
+    compute = sum(op.flops for op in ops) / hw.flops
+    traffic = sum(op.bytes for op in ops) / hw.bandwidth
+    mem = memory(m, batch, seq_len)
+    return SweepPoint(batch, mem, mem <= hw.memory, t, batch / t, "compute" if compute >= traffic else "memory")
+
+
+def default_batches(m: ModelShape, hw: Hardware, seq_len: int, cap: int = 1 << 16) -> list[int]:
+    """Powers of two from 1 up to the first batch that does not fit (at least 256)."""
+    out, b = [], 1
+    while b <= cap:
+        out.append(b)
+        if b >= 256 and memory(m, b, seq_len) > hw.memory:
+            break
+        b *= 2
+    return out
+
+
+def batch_sweep(m: ModelShape, hw: Hardware, seq_len: int, batches: list[int]) -> list[SweepPoint]:
+    return [batch_point(m, hw, b, seq_len) for b in batches]
+
+
+# --- KV variants -------------------------------------------------------------------------------
+
+
+def attention_kind(m: ModelShape) -> str:
+    """MHA, GQA (K=...), MQA or MLA (d_c=...)."""
+    if m.mla:
+        return f"MLA (d_c={m.kv_latent})"
+    if m.kv_heads == m.heads:
+        return f"MHA (K={m.heads})"
+    return "MQA (K=1)" if m.kv_heads == 1 else f"GQA (K={m.kv_heads})"
+
+
+def kv_variants(m: ModelShape) -> list[tuple[str, ModelShape]]:
+    """The model as given (labelled "..., as configured") next to MHA, GQA (8 KV heads), MQA,
+    MLA (d_c = 4·H, d_rope = H/2 as in DeepSeek-V2) and 8- and 4-bit KV caches, no duplicates."""
+    plain = replace(m, kv_latent=None, rope_dim=0) if m.mla else m
+    cands = [(f"{attention_kind(m)}, as configured", m), (f"MHA (K={m.heads})", replace(plain, kv_heads=m.heads))]
+    if m.heads % 8 == 0 and m.heads > 8:
+        cands.append(("GQA (K=8)", replace(plain, kv_heads=8)))
+    cands.append(("MQA (K=1)", replace(plain, kv_heads=1)))
+    if not m.mla:
+        cands.append((f"MLA (d_c={4 * m.head_dim})",
+                      replace(m, kv_heads=m.heads, kv_latent=4 * m.head_dim, rope_dim=m.head_dim // 2)))
+    for bits in (8, 4):
+        if bits / 8 < m.kv_bytes:
+            cands.append((f"{attention_kind(m)}, {bits}-bit KV", replace(m, kv_bytes=bits / 8)))
+    out, seen = [], set()
+    for label, shape in cands:
+        key = replace(shape, name="")
+        if key not in seen:
+            seen.add(key)
+            out.append((label, shape))
+    return out
