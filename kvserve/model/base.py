@@ -65,7 +65,10 @@ class CausalLM(nn.Module):
         """hidden [N, hidden] -> logits [N, vocab], fp32 unless upcast=False (then the model's
         dtype: a greedy-only bf16 batch picks its tokens without the ~20 ms fp32 copy of
         [64, 262144] logits; the sampler upcasts when it needs to)."""
-        logits = torch.nn.functional.linear(hidden, self.lm_head_weight)
+        # A module head (untied, or a quantized head from kvserve.quant) is called; a tied one
+        # multiplies by the embedding table.
+        head = self.lm_head
+        logits = head(hidden) if head is not None else torch.nn.functional.linear(hidden, self.embed_tokens.weight)
         cap = self.config.final_logit_softcapping
         if cap:
             return torch.tanh(logits.float() / cap) * cap

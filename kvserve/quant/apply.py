@@ -1,0 +1,174 @@
+"""`quantize_model`: replace the linear layers of a model's transformer blocks by QuantLinear,
+one block at a time.
+
+Methods are `LayerQuantizer` factories registered in `METHODS` (spec -> quantizer). Only RTN
+exists today; a calibrated method (GPTQ, AWQ, ...) sets `needs_calibration` and receives a
+`LayerStats` per layer from `stats_fn(block_index, layer_name)`. That callable is where the
+sequential pipeline will live: run the calibration activations through block i (already fed by
+the quantized blocks before it), collect each linear's input statistics, quantize, move on.
+
+By default the token embedding and the LM head stay in floating point (`lm_head=True` adds the
+head: for a tied model the embedding table is kept for the lookup and the head matmul runs on a
+quantized copy).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from kvserve.quant.linear import QuantLinear
+from kvserve.quant.rtn import RTNQuantizer
+from kvserve.quant.spec import LayerQuantizer, LayerStats, QuantSpec
+
+log = logging.getLogger(__name__)
+
+METHODS: dict[str, Callable[[QuantSpec], LayerQuantizer]] = {"rtn": RTNQuantizer}
+StatsFn = Callable[[int, str], LayerStats | None]  # (block index, linear name in the block) -> stats
+
+
+@dataclass
+class LayerReport:
+    name: str  # e.g. "layers.3.mlp.down_proj"
+    shape: tuple[int, int]  # [out, in]
+    kernel: str
+    bytes_before: int
+    bytes_after: int
+    mse: float  # mean squared weight error of the stored grid vs the original
+
+
+@dataclass
+class QuantizeReport:
+    method: str
+    spec: QuantSpec
+    layers: list[LayerReport] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def bytes_before(self) -> int:
+        return sum(r.bytes_before for r in self.layers)
+
+    @property
+    def bytes_after(self) -> int:
+        return sum(r.bytes_after for r in self.layers)
+
+    def kernels(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in self.layers:
+            out[r.kernel] = out.get(r.kernel, 0) + 1
+        return out
+
+    def to_dict(self) -> dict:
+        return {"method": self.method, "spec": self.spec.to_dict(), "label": self.spec.label(),
+                "num_layers": len(self.layers), "kernels": self.kernels(), "bytes_before": self.bytes_before,
+                "bytes_after": self.bytes_after, "seconds": self.seconds}
+
+
+def linear_layers(module: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """The nn.Linear submodules of `module` in definition order (q, k, v, o, gate, up, down)."""
+    return [(n, m) for n, m in module.named_modules() if isinstance(m, nn.Linear)]
+
+
+def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, leaf, new)
+
+
+def _tensor_bytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def make_quantizer(method: str, spec: QuantSpec) -> LayerQuantizer:
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(sorted(METHODS))}, got {method!r}")
+    return METHODS[method](spec)
+
+
+def quantize_linear(weight: torch.Tensor, bias: torch.Tensor | None, quantizer: LayerQuantizer,
+                    stats: LayerStats | None = None, act_dtype: torch.dtype = torch.bfloat16,
+                    kernel: str = "auto") -> tuple[QuantLinear, float]:
+    """weight [out, in] -> (QuantLinear, mean squared error of its dequantized weight)."""
+    w = weight.detach().float().contiguous()
+    qw = quantizer.quantize_layer(w, stats)
+    layer = QuantLinear.from_quantized(qw, bias, act_dtype=act_dtype, kernel=kernel)
+    mse = float((layer.dequantized_weight() - w).pow(2).mean())
+    return layer, mse
+
+
+def quantize_model(
+    model: nn.Module,
+    method: str = "rtn",
+    *,
+    bits: int = 4,
+    group_size: int = 128,
+    sym: bool = False,
+    granularity: str = "group",
+    act_dtype: torch.dtype | None = None,
+    kernel: str = "auto",
+    skip: Sequence[str] = (),
+    lm_head: bool = False,
+    stats_fn: StatsFn | None = None,
+    progress: bool = True,
+) -> QuantizeReport:
+    """Quantize every nn.Linear inside `model.layers` (a CausalLM's blocks), in place.
+
+    bits 2..8; granularity "tensor" | "channel" | "group" (with group_size); sym: symmetric
+    grid. act_dtype: activations of the int4/int8 kernels (default bfloat16, the fast CPU path;
+    see kvserve/quant/linear.py). skip: substrings of layer names ("layers.0.", "down_proj")
+    left in floating point. lm_head: quantize the LM head too (the embedding lookup stays).
+    Peak extra memory is one layer's float copy: each block is replaced before the next.
+    """
+    act = act_dtype or torch.bfloat16
+    # Scales rounded to the dtype the int4/int8 kernels store them in (see QuantSpec.scale_dtype).
+    spec = QuantSpec(bits=bits, sym=sym, granularity=granularity, group_size=group_size,
+                     scale_dtype=torch.float32 if kernel == "dequant" else act)
+    quantizer = make_quantizer(method, spec)
+    if quantizer.needs_calibration and stats_fn is None:
+        raise ValueError(f"method {method!r} needs calibration statistics (stats_fn)")
+    if not hasattr(model, "layers"):
+        raise ValueError(f"{type(model).__name__} has no `layers` (transformer blocks) to quantize")
+    report = QuantizeReport(method, spec)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for i, block in enumerate(tqdm(model.layers, desc=f"quantize {method} {spec.label()}", unit="block",
+                                       disable=not progress)):
+            for name, lin in linear_layers(block):
+                full = f"layers.{i}.{name}"
+                if any(s in full for s in skip):
+                    continue
+                stats = stats_fn(i, name) if stats_fn is not None else None
+                q, mse = quantize_linear(lin.weight, lin.bias, quantizer, stats, act, kernel)
+                report.layers.append(LayerReport(full, (lin.out_features, lin.in_features), q.kernel,
+                                                 _tensor_bytes(lin.weight) + _tensor_bytes(lin.bias),
+                                                 q.weight_nbytes, mse))
+                _set_submodule(block, name, q)
+        if lm_head:
+            head_w = model.lm_head_weight
+            bias = getattr(model.lm_head, "bias", None)
+            q, mse = quantize_linear(head_w, bias, quantizer, None, act, kernel)
+            tied = model.lm_head is None
+            report.layers.append(LayerReport("lm_head", tuple(head_w.shape), q.kernel,
+                                             0 if tied else _tensor_bytes(head_w), q.weight_nbytes, mse))
+            model.lm_head = q  # CausalLM.compute_logits calls the head module when there is one
+    report.seconds = time.perf_counter() - t0
+    log.info("quantized %d layers (%s) with %s %s in %.1f s: %.1f MB -> %.1f MB", len(report.layers),
+             ", ".join(f"{k}: {v}" for k, v in report.kernels().items()), method, spec.label(), report.seconds,
+             report.bytes_before / 1e6, report.bytes_after / 1e6)
+    return report
+
+
+def model_weight_bytes(model: nn.Module) -> int:
+    """Bytes of every distinct stored tensor: parameters and persistent buffers (packed codes,
+    scales), a tied LM head once; non-persistent buffers (rotary tables) are not weights."""
+    seen, total = set(), 0
+    for t in model.state_dict(keep_vars=True).values():
+        key = (t.data_ptr(), t.numel())
+        if t.numel() and key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
