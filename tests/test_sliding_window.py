@@ -121,9 +121,9 @@ def _gemma_prompts(tokenizer) -> list[list[int]]:
     return [long, shared, other[:300]]
 
 
-GEMMA_PARAMS = [SamplingParams(n=2, temperature=0, max_tokens=64, ignore_eos=True),
-                SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
-                SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)]
+GEMMA_PARAMS = [SamplingParams(n=2, temperature=0, max_tokens=32, ignore_eos=True),
+                SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
+                SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)]
 
 
 @pytest.fixture(scope="module")
