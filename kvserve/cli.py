@@ -14,6 +14,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-kv-cache", action="store_true",
                    help="recompute the whole sequence every step (the O(T^2) baseline)")
     p.add_argument("--kv-cache-gib", type=float, default=None, help="KV pool size in GiB")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
+                   help="KV storage: the model's dtype, or int8 / fp8 (e4m3) with per-token, per-head scales")
     p.add_argument("--max-model-len", type=int, default=None, help="context window cap")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     g = p.add_argument_group("StreamingLLM (constant KV memory past the context length)")
@@ -37,11 +39,12 @@ def _add_speculative_args(p: argparse.ArgumentParser) -> None:
 
 
 def decoding_config(args: argparse.Namespace) -> dict:
-    """EngineConfig fields from the speculative decoding and StreamingLLM flags."""
+    """EngineConfig fields from the speculative decoding, StreamingLLM and KV-dtype flags."""
     return dict(speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
                 speculative_model=args.speculative_model, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
                 self_draft_layers=args.self_draft_layers, self_draft_dtype=args.self_draft_dtype,
-                attention_sinks=args.attention_sinks, streaming_window=args.streaming_window)
+                attention_sinks=args.attention_sinks, streaming_window=args.streaming_window,
+                kv_cache_dtype=args.kv_cache_dtype)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

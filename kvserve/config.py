@@ -24,6 +24,9 @@ class EngineConfig:
     dtype: str = "float32"
     block_size: int = 16
     kv_cache_gib: float | None = None  # KV pool budget; None = _default_kv_cache_gib()
+    # How the pool stores K/V: "auto" (the model's dtype), "int8" or "fp8" (e4m3), both with one
+    # fp32 scale per token and KV head, dequantized when attention reads them.
+    kv_cache_dtype: str = "auto"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None = the model's context length
@@ -77,6 +80,10 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "use_kv_cache", "sliding_window_release"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        from kvserve.model.attention import KV_CACHE_DTYPES  # validation only
+
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         self._check_speculative()
         self._check_streaming()
 

@@ -71,10 +71,12 @@ class LLMEngine:
         self.layer_groups = self._layer_groups()
         group_size = len(self.layer_groups[0].layers)
         # A page: block_size tokens of K and V for one layer group's layers.
-        self.page_bytes = 2 * group_size * mc.num_kv_heads * mc.head_dim * kv_dtype.itemsize * cfg.block_size
+        per_token_head = KVCache.bytes_per_token_head(mc.head_dim, kv_dtype, cfg.kv_cache_dtype)
+        self.page_bytes = group_size * mc.num_kv_heads * per_token_head * cfg.block_size
         self.num_blocks = max(len(self.layer_groups), int(cfg.kv_cache_gib * 2**30 // self.page_bytes))  # pages
         self.kv_cache = KVCache(mc.num_layers, self.num_blocks * cfg.block_size, mc.num_kv_heads, mc.head_dim,
-                                kv_dtype, cfg.device, layer_groups=[g.layers for g in self.layer_groups])
+                                kv_dtype, cfg.device, layer_groups=[g.layers for g in self.layer_groups],
+                                kv_dtype=cfg.kv_cache_dtype)
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, cfg.block_size, cfg.device,
                                   stream_policies=self.stream_policies)
         self.block_manager = BlockManager(self.num_blocks, cfg.block_size,
@@ -149,9 +151,9 @@ class LLMEngine:
         layout = (f"{len(groups)} layer groups of {len(groups[0].layers)} layers: {len(groups) - len(sliding)} full, "
                   f"{len(sliding)} sliding (window {sliding[0].window}, blocks outside it are released)"
                   if sliding else "one layer group, every layer keeps every block")
-        log.info("KV pool: %d pages x %d tokens = %d page-tokens, %d tokens of all layers (%.2f GiB); %s",
-                 self.num_blocks, bs, self.num_blocks * bs, self.num_blocks // len(groups) * bs,
-                 self.kv_cache.nbytes / 2**30, layout)
+        log.info("KV pool (%s): %d pages x %d tokens = %d page-tokens, %d tokens of all layers (%.2f GiB); %s",
+                 self.config.kv_cache_dtype, self.num_blocks, bs, self.num_blocks * bs,
+                 self.num_blocks // len(groups) * bs, self.kv_cache.nbytes / 2**30, layout)
 
     # ---------------------------------------------------------------- requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:

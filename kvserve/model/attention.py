@@ -19,6 +19,12 @@ from kvserve.model.config import ModelConfig
 from kvserve.model.layers import RMSNorm, apply_rope
 
 
+# KV-cache storage formats besides the model's dtype: codes plus one fp32 scale per (token, KV
+# head), absmax / qmax, so attention dequantizes on read (the max a code may take).
+KV_QUANT = {"int8": (torch.int8, 127.0), "fp8": (torch.uint8, 448.0)}  # fp8 e4m3 bytes held as uint8
+KV_CACHE_DTYPES = ("auto", *KV_QUANT)
+
+
 class KVCache:
     """The KV pool: storage tensors K and V of shape [num_slots, num_kv_heads, head_dim].
 
@@ -28,6 +34,10 @@ class KVCache:
     pool by all groups, so the j-th layer of EVERY group shares storage tensor j: a page belongs
     to one group at a time, and its slots in tensor j hold that group's j-th layer. With one
     group this is one tensor per layer.
+
+    `kv_dtype` "int8" / "fp8" (e4m3) store codes with a per-(token, head) fp32 scale
+    (`k_scale`, `v_scale` [num_slots, KVH, 1]): `write` quantizes, `read` dequantizes to the
+    compute dtype. "auto" stores `dtype` itself (then `read` is a plain gather).
     """
 
     def __init__(
@@ -39,34 +49,82 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         layer_groups: Sequence[Sequence[int]] | None = None,
+        kv_dtype: str = "auto",
     ):
+        if kv_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_dtype!r}")
         groups = [list(range(num_layers))] if layer_groups is None else [list(g) for g in layer_groups]
         size = len(groups[0])
         if any(len(g) != size for g in groups) or sorted(i for g in groups for i in g) != list(range(num_layers)):
             raise ValueError(f"layer groups {groups} must be of equal size and cover layers 0..{num_layers - 1} once")
         shape = (num_slots, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(size)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(size)]
+        self.dtype = dtype  # what attention computes in (and `read` returns)
+        self.kv_dtype = kv_dtype
+        self.quantized = kv_dtype in KV_QUANT
+        store, self._qmax = KV_QUANT[kv_dtype] if self.quantized else (dtype, 0.0)
+        self.k = [torch.zeros(shape, dtype=store, device=device) for _ in range(size)]
+        self.v = [torch.zeros(shape, dtype=store, device=device) for _ in range(size)]
+        scale_shape = (num_slots, num_kv_heads, 1)
+        n_scales = size if self.quantized else 0
+        self.k_scale = [torch.zeros(scale_shape, dtype=torch.float32, device=device) for _ in range(n_scales)]
+        self.v_scale = [torch.zeros(scale_shape, dtype=torch.float32, device=device) for _ in range(n_scales)]
         self.num_slots = num_slots
         self.num_groups = len(groups)
         # layer -> (storage index j, group g)
         self._where = {layer: (j, g) for g, group in enumerate(groups) for j, layer in enumerate(group)}
 
+    @staticmethod
+    def bytes_per_token_head(head_dim: int, dtype: torch.dtype, kv_dtype: str = "auto") -> int:
+        """Bytes of K plus V for one token of one KV head of one layer (scales included)."""
+        if kv_dtype in KV_QUANT:
+            return 2 * (head_dim * KV_QUANT[kv_dtype][0].itemsize + 4)
+        return 2 * head_dim * dtype.itemsize
+
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.numel() * t.element_size() for t in self.k + self.v + self.k_scale + self.v_scale)
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """K pool, V pool [num_slots, KVH, D] of a layer, and its layer group."""
+        """K pool, V pool [num_slots, KVH, D] of a layer (storage: codes when quantized), and
+        its layer group."""
         j, g = self._where[layer]
         return self.k[j], self.v[j], g
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [T, KVH, D] at `slots` [T] of a layer (quantizing when the pool does)."""
+        j, _ = self._where[layer]
+        for pool, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            if self.quantized:
+                x = x.float()
+                scale = x.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12) / self._qmax  # [T, KVH, 1]
+                codes = x / scale
+                if self.kv_dtype == "int8":
+                    codes = codes.round_().to(torch.int8)
+                else:  # fp8 bytes kept as uint8: CPU index_copy / index_select lack float8 kernels
+                    codes = codes.to(torch.float8_e4m3fn).view(torch.uint8)
+                pool[j].index_copy_(0, slots, codes)
+                scales[j].index_copy_(0, slots, scale)
+            else:
+                pool[j].index_copy_(0, slots, x.to(pool[j].dtype))
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V at `slots` (any shape S) of a layer -> [*S, KVH, D] each, in the compute dtype."""
+        j, _ = self._where[layer]
+        flat = slots.reshape(-1)
+        out = []
+        for pool, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
+            x = pool[j].index_select(0, flat)
+            if self.quantized:
+                x = x.view(torch.float8_e4m3fn) if self.kv_dtype == "fp8" else x
+                x = x.float() * scales[j].index_select(0, flat)
+            out.append(x.to(self.dtype).view(*slots.shape, *x.shape[1:]))
+        return out[0], out[1]
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy-on-write support: duplicate the K/V of `src` slots into `dst` slots in every
         storage tensor (a page id is unique across groups, so this copies its group's layers)."""
-        for k, v in zip(self.k, self.v):
-            k[dst] = k[src]
-            v[dst] = v[src]
+        for t in self.k + self.v + self.k_scale + self.v_scale:
+            t[dst] = t[src]
 
 
 CAUSAL = "causal"  # a mask value: queries and keys are the same positions, so SDPA's is_causal
@@ -229,18 +287,17 @@ class Attention(nn.Module):
         cos, sin = cos_sin
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-        k_pool, v_pool, group = kv_cache.layer(self.layer)
+        _, _, group = kv_cache.layer(self.layer)
         meta = meta.for_group(group)
-        k_pool.index_copy_(0, meta.slot_mapping, k.to(k_pool.dtype))
-        v_pool.index_copy_(0, meta.slot_mapping, v.to(v_pool.dtype))
+        kv_cache.write(self.layer, meta.slot_mapping, k, v)
 
         out = torch.empty_like(q)
         if meta.decode is not None:
-            self._decode(q, k_pool, v_pool, meta.decode, out)
+            self._decode(q, kv_cache, meta.decode, out)
         for s in meta.seqs:
             slots, mask = s.view(self.window)
-            ks = k_pool.index_select(0, slots).transpose(0, 1).to(q.dtype)  # [KVH, n_kv, D]
-            vs = v_pool.index_select(0, slots).transpose(0, 1).to(q.dtype)
+            ks, vs = kv_cache.read(self.layer, slots)
+            ks, vs = ks.transpose(0, 1).to(q.dtype), vs.transpose(0, 1).to(q.dtype)  # [KVH, n_kv, D]
             out[s.q_start : s.q_start + s.q_len] = self._attend(q[s.q_start : s.q_start + s.q_len], ks, vs, mask)
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
 
@@ -262,21 +319,20 @@ class Attention(nn.Module):
         o = F.scaled_dot_product_attention(qg[None], k[None], v[None], attn_mask=mask, scale=self.scale)[0]
         return o.view(self.num_kv_heads, G, T, self.head_dim).permute(2, 0, 1, 3).reshape(T, self.num_heads, -1)
 
-    def _decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: DecodeBatch,
-                out: torch.Tensor) -> None:
+    def _decode(self, q: torch.Tensor, kv_cache: KVCache, batch: DecodeBatch, out: torch.Tensor) -> None:
         """Attention for the decode rows of q [T, H, D], written into out [T, H, D]."""
-        starts = batch.starts(self.window)
-        o = paged_decode_attention(q[batch.rows], k_pool, v_pool, batch.block_tables, starts, batch.lens,
-                                   batch.block_size, self.scale, batch.max_len)
-        if o is not None:
-            out[batch.rows] = o
-            return
+        if not kv_cache.quantized:  # the kernel reads the pool in place (fp32 / bf16 only)
+            k_pool, v_pool, _ = kv_cache.layer(self.layer)
+            o = paged_decode_attention(q[batch.rows], k_pool, v_pool, batch.block_tables, batch.starts(self.window),
+                                       batch.lens, batch.block_size, self.scale, batch.max_len)
+            if o is not None:
+                out[batch.rows] = o
+                return
         G = self.num_heads // self.num_kv_heads
         for rows, slots, mask in batch.groups(self.window):
             B, L = slots.shape
-            flat = slots.view(-1)
-            k = k_pool.index_select(0, flat).view(B, L, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            v = v_pool.index_select(0, flat).view(B, L, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            k, v = kv_cache.read(self.layer, slots)  # [B, L, KVH, D]
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
             # GQA heads as query rows of their K/V head: no repeated K/V.
             qg = q[rows].view(B, self.num_kv_heads, G, self.head_dim)
             o = F.scaled_dot_product_attention(qg, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=self.scale)

@@ -296,10 +296,10 @@ class PagedStreamingAttention:
 
     def __call__(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """layer: the calling `Attention`; q [T, H, D], k, v [T, KVH, D] pre-RoPE -> [T, H, D]."""
-        k_pool, v_pool, group = self.kv_cache.layer(layer.layer)
+        cache = self.kv_cache
+        _, _, group = cache.layer(layer.layer)
         meta = self.meta.for_group(group)
-        k_pool.index_copy_(0, meta.slot_mapping, k.to(k_pool.dtype))
-        v_pool.index_copy_(0, meta.slot_mapping, v.to(v_pool.dtype))
+        cache.write(layer.layer, meta.slot_mapping, k, v)
         policy, rotary = self.policies[layer.layer], self.rotary[layer.layer]
         out = torch.empty_like(q)
         for s in meta.seqs:
@@ -308,11 +308,10 @@ class PagedStreamingAttention:
             num_sinks = min(policy.sinks, s.ctx_len)
             lo = max(policy.sinks, first_q - policy.window + 1) if policy.window is not None else policy.sinks
             lo = min(lo, s.ctx_len)
-            sinks, window = s.ctx_slots[:num_sinks], s.ctx_slots[lo:]
+            sink_k, sink_v = cache.read(layer.layer, s.ctx_slots[:num_sinks])
+            win_k, win_v = cache.read(layer.layer, s.ctx_slots[lo:])
             out[rows] = attend_sinks_and_window(
-                q[rows], self.positions[rows], policy,
-                k_pool.index_select(0, sinks), v_pool.index_select(0, sinks),
-                k_pool.index_select(0, window), v_pool.index_select(0, window),
+                q[rows], self.positions[rows], policy, sink_k, sink_v, win_k, win_v,
                 torch.arange(lo, s.ctx_len, device=q.device), rotary, layer.scale,
             ).to(q.dtype)
         return out
