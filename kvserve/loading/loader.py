@@ -51,11 +51,29 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
-                device: torch.device | str, source: Path) -> CausalLM:
-    """Instantiate without allocating random weights, then adopt the loaded tensors."""
+                device: torch.device | str, source: Path,
+                modules: dict[str, torch.nn.Module] | None = None) -> CausalLM:
+    """Instantiate without allocating random weights, then adopt the loaded tensors.
+
+    `modules`: ready submodules by name (quantized linears of a saved quantized folder) that
+    replace the model's own before the rest is adopted from `state_dict`; their tensors keep
+    their dtypes (packed codes, scales)."""
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
-    expected = set(model.state_dict())
+    own: dict[str, torch.Tensor] = {}
+    for name, module in (modules or {}).items():
+        parent, _, leaf = name.rpartition(".")
+        try:
+            holder = model.get_submodule(parent) if parent else model
+        except AttributeError:
+            raise ModelLoadError(source, f"quantized module {name!r} does not exist in a {cfg.model_type} "
+                                         f"model") from None
+        if leaf != "lm_head" and not isinstance(getattr(holder, leaf, None), torch.nn.Linear):
+            raise ModelLoadError(source, f"quantized module {name!r} is not a linear layer of the model")
+        module = module.to(device)
+        setattr(holder, leaf, module)
+        own.update({f"{name}.{k}": v for k, v in module.state_dict().items()})
+    expected = set(model.state_dict()) - set(own)
     missing, unexpected = expected - set(state_dict), set(state_dict) - expected
     if missing or unexpected:
         problem = []
@@ -65,11 +83,13 @@ def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: to
             problem.append(f"unexpected tensors {sorted(unexpected)[:5]}")
         raise ModelLoadError(source, "weights do not match the config: " + "; ".join(problem))
     for name, p in model.state_dict().items():
+        if name in own:
+            continue
         if tuple(state_dict[name].shape) != tuple(p.shape):
             raise ModelLoadError(source, f"tensor {name!r} has shape {tuple(state_dict[name].shape)}, "
                                          f"config implies {tuple(p.shape)}")
     sd = {k: v.to(device=device, dtype=dtype) for k, v in state_dict.items()}
-    model.load_state_dict(sd, assign=True, strict=True)
+    model.load_state_dict({**sd, **own}, assign=True, strict=True)
     if torch.device(device).type == "cpu" and dtype == torch.float32:
         use_column_major_weights(model)
     # Non-persistent buffers are not in the state dict: rebuild them for real.
@@ -99,7 +119,10 @@ def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "floa
         raise ModelLoadError(path, "no such file or folder (give a .gguf file or an HF folder with config.json)")
     if path.is_dir():
         cfg = read_hf_config(path)
-        sd = hf_state_dict(path, cfg)
+        from kvserve.quant.io import read_quantization_config
+
+        quantized = read_quantization_config(path) is not None
+        sd = None if quantized else hf_state_dict(path, cfg)
         tok_file = path / "tokenizer.json"
     elif path.suffix == ".gguf":
         cfg, weights, tok_file = load_gguf(path)
@@ -114,5 +137,10 @@ def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "floa
     if not tok_file.exists():
         raise ModelLoadError(tok_file, "tokenizer.json not found")
     tokenizer = Tokenizer.from_file(tok_file, cfg.eos_token_ids, cfg.bos_token_id)
-    net = build_model(cfg, sd, torch_dtype, device, path)
+    if sd is None:  # a folder written by kvserve.quant.io.save_quantized
+        from kvserve.quant.io import load_quantized_model
+
+        net = load_quantized_model(path, cfg, torch_dtype, device)
+    else:
+        net = build_model(cfg, sd, torch_dtype, device, path)
     return LoadedModel(net, cfg, tokenizer, path)
