@@ -92,6 +92,12 @@ def _add_roofline_parser(sub) -> None:
     add_roofline_parser(sub)
 
 
+def _add_quantize_parser(sub) -> None:
+    from kvserve.quant.cli import add_quantize_parser
+
+    add_quantize_parser(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description="A small LLM inference engine.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -103,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_parser(sub)
     _add_eval_parser(sub)
     _add_roofline_parser(sub)
+    _add_quantize_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     tp = bench.add_parser("throughput", help="offline throughput on a random workload (optionally vs HF)")
@@ -268,6 +275,12 @@ def cmd_roofline(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from kvserve.quant.cli import run
+
+    return run(args)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvserve.config import EngineConfig
     from kvserve.server.launch import ServeOptions, serve
@@ -291,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="kvserve: %(message)s", stream=sys.stderr)
     try:
         commands = {"generate": cmd_generate, "bench": cmd_bench, "serve": cmd_serve, "eval": cmd_eval,
-                    "roofline": cmd_roofline}
+                    "roofline": cmd_roofline, "quantize": cmd_quantize}
         return commands[args.command](args)
     except ValueError as e:  # bad input (ModelLoadError is a ValueError): a message, no traceback
         print(f"kvserve: error: {e}", file=sys.stderr)

@@ -1,11 +1,14 @@
 """`quantize_model`: replace the linear layers of a model's transformer blocks by QuantLinear,
 one block at a time.
 
-Methods are `LayerQuantizer` factories registered in `METHODS` (spec -> quantizer). Only RTN
-exists today; a calibrated method (GPTQ, AWQ, ...) sets `needs_calibration` and receives a
-`LayerStats` per layer from `stats_fn(block_index, layer_name)`. That callable is where the
-sequential pipeline will live: run the calibration activations through block i (already fed by
-the quantized blocks before it), collect each linear's input statistics, quantize, move on.
+Methods are `LayerQuantizer` factories registered in `METHODS` (spec, **method_options ->
+quantizer): RTN, GPTQ (kvserve/quant/gptq.py), AWQ (kvserve/quant/awq.py). A calibrated method
+sets `needs_calibration` and receives a `LayerStats` per layer from `stats_fn(block_index,
+layer_name)`; given calibration windows, the default `stats_fn` is a `Calibrator`
+(kvserve/quant/calibrate.py), the sequential pipeline: block i is run on the outputs of the
+already-quantized blocks before it, its linears' input statistics are collected, it is quantized,
+and the next block follows. A method with a `prepare_block(model, i, calibrator)` hook (AWQ)
+transforms block i in floating point first (scales folded, weights clipped).
 
 By default the token embedding and the LM head stay in floating point (`lm_head=True` adds the
 head: for a tied model the embedding table is kept for the lookup and the head matmul runs on a
@@ -22,13 +25,17 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from kvserve.quant.awq import AWQQuantizer
+from kvserve.quant.calibrate import Calibrator
+from kvserve.quant.gptq import GPTQQuantizer
 from kvserve.quant.linear import QuantLinear
 from kvserve.quant.rtn import RTNQuantizer
 from kvserve.quant.spec import LayerQuantizer, LayerStats, QuantSpec
 
 log = logging.getLogger(__name__)
 
-METHODS: dict[str, Callable[[QuantSpec], LayerQuantizer]] = {"rtn": RTNQuantizer}
+METHODS: dict[str, Callable[..., LayerQuantizer]] = {"rtn": RTNQuantizer, "gptq": GPTQQuantizer,
+                                                     "awq": AWQQuantizer}
 StatsFn = Callable[[int, str], LayerStats | None]  # (block index, linear name in the block) -> stats
 
 
@@ -83,10 +90,15 @@ def _tensor_bytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
-def make_quantizer(method: str, spec: QuantSpec) -> LayerQuantizer:
+def make_quantizer(method: str, spec: QuantSpec, **options) -> LayerQuantizer:
+    """options: the method's own settings (GPTQ: percdamp, blocksize, act_order, static_groups;
+    AWQ: n_grid, search_windows, clip_rows, clip)."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(sorted(METHODS))}, got {method!r}")
-    return METHODS[method](spec)
+    try:
+        return METHODS[method](spec, **options)
+    except TypeError as e:
+        raise ValueError(f"method {method!r}: bad options {sorted(options)} ({e})") from None
 
 
 def quantize_linear(weight: torch.Tensor, bias: torch.Tensor | None, quantizer: LayerQuantizer,
@@ -113,6 +125,8 @@ def quantize_model(
     skip: Sequence[str] = (),
     lm_head: bool = False,
     stats_fn: StatsFn | None = None,
+    calibration: torch.Tensor | None = None,
+    method_options: dict | None = None,
     progress: bool = True,
 ) -> QuantizeReport:
     """Quantize every nn.Linear inside `model.layers` (a CausalLM's blocks), in place.
@@ -120,16 +134,30 @@ def quantize_model(
     bits 2..8; granularity "tensor" | "channel" | "group" (with group_size); sym: symmetric
     grid. act_dtype: activations of the int4/int8 kernels (default bfloat16, the fast CPU path;
     see kvserve/quant/linear.py). skip: substrings of layer names ("layers.0.", "down_proj")
-    left in floating point. lm_head: quantize the LM head too (the embedding lookup stays).
+    left in floating point. lm_head: quantize the LM head too (the embedding lookup stays; RTN for
+    GPTQ, whose calibration does not reach the head).
+    calibration: token windows [n, L] (kvserve.quant.calibrate.load_calibration) for a calibrated
+    method when no stats_fn is given. method_options: see `make_quantizer`.
     Peak extra memory is one layer's float copy: each block is replaced before the next.
     """
     act = act_dtype or torch.bfloat16
     # Scales rounded to the dtype the int4/int8 kernels store them in (see QuantSpec.scale_dtype).
     spec = QuantSpec(bits=bits, sym=sym, granularity=granularity, group_size=group_size,
                      scale_dtype=torch.float32 if kernel == "dequant" else act)
-    quantizer = make_quantizer(method, spec)
-    if quantizer.needs_calibration and stats_fn is None:
-        raise ValueError(f"method {method!r} needs calibration statistics (stats_fn)")
+    quantizer = make_quantizer(method, spec, **(method_options or {}))
+    prepare = getattr(quantizer, "prepare_block", None)
+    calibrator = None
+    if (quantizer.needs_calibration and stats_fn is None) or prepare is not None:
+        if isinstance(stats_fn, Calibrator):
+            calibrator = stats_fn
+        elif calibration is not None:
+            limit = getattr(quantizer, "calibration_windows", None)  # a method that reads only the first ones
+            calibration = calibration if limit is None else calibration[:limit]
+            calibrator = Calibrator(model, calibration, collect=("hessian",) if quantizer.needs_calibration else ())
+        else:
+            raise ValueError(f"method {method!r} needs calibration data (calibration windows or stats_fn)")
+        if stats_fn is None and quantizer.needs_calibration:
+            stats_fn = calibrator
     if not hasattr(model, "layers"):
         raise ValueError(f"{type(model).__name__} has no `layers` (transformer blocks) to quantize")
     report = QuantizeReport(method, spec)
@@ -137,11 +165,13 @@ def quantize_model(
     with torch.no_grad():
         for i, block in enumerate(tqdm(model.layers, desc=f"quantize {method} {spec.label()}", unit="block",
                                        disable=not progress)):
+            if prepare is not None:
+                prepare(model, i, calibrator)
             for name, lin in linear_layers(block):
                 full = f"layers.{i}.{name}"
                 if any(s in full for s in skip):
                     continue
-                stats = stats_fn(i, name) if stats_fn is not None else None
+                stats = stats_fn(i, name) if stats_fn is not None and quantizer.needs_calibration else None
                 q, mse = quantize_linear(lin.weight, lin.bias, quantizer, stats, act, kernel)
                 report.layers.append(LayerReport(full, (lin.out_features, lin.in_features), q.kernel,
                                                  _tensor_bytes(lin.weight) + _tensor_bytes(lin.bias),
@@ -150,7 +180,9 @@ def quantize_model(
         if lm_head:
             head_w = model.lm_head_weight
             bias = getattr(model.lm_head, "bias", None)
-            q, mse = quantize_linear(head_w, bias, quantizer, None, act, kernel)
+            # The head is not calibrated: a calibrated method's head gets the plain RTN grid.
+            head_q = RTNQuantizer(spec) if quantizer.needs_calibration else quantizer
+            q, mse = quantize_linear(head_w, bias, head_q, None, act, kernel)
             tied = model.lm_head is None
             report.layers.append(LayerReport("lm_head", tuple(head_w.shape), q.kernel,
                                              0 if tied else _tensor_bytes(head_w), q.weight_nbytes, mse))
