@@ -31,6 +31,8 @@ def _find_wikitext() -> Path:
 
 
 WIKITEXT = _find_wikitext()
+# The CLI's default data path (beside the checkout) is missing in a scratch clone: point it here.
+os.environ.setdefault("KVSERVE_WIKITEXT", str(WIKITEXT))
 
 
 @pytest.fixture(scope="session")
