@@ -36,6 +36,8 @@ def _add_speculative_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--self-draft-layers", type=int, default=None, help="self draft: early exit after L layers")
     g.add_argument("--self-draft-dtype", default=None,
                    help="self draft: a copy of the target in this dtype (default bfloat16 for a float32 target)")
+    g.add_argument("--self-draft-bits", type=int, choices=[4, 8], default=None,
+                   help="self draft: an RTN int4 (g128) / int8 copy of the target, LM head included")
 
 
 def decoding_config(args: argparse.Namespace) -> dict:
@@ -43,6 +45,7 @@ def decoding_config(args: argparse.Namespace) -> dict:
     return dict(speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
                 speculative_model=args.speculative_model, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
                 self_draft_layers=args.self_draft_layers, self_draft_dtype=args.self_draft_dtype,
+                self_draft_bits=args.self_draft_bits,
                 attention_sinks=args.attention_sinks, streaming_window=args.streaming_window,
                 kv_cache_dtype=args.kv_cache_dtype)
 
@@ -128,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = bench.add_parser("spec", help="speculative decoding vs plain decoding: acceptance, tok/s, speedup per k")
     sp.add_argument("--model", default=None)
     sp.add_argument("--dtype", default="float32")
-    sp.add_argument("--proposers", default="ngram,self", help="comma list of ngram, self, draft")
+    sp.add_argument("--proposers", default="ngram,self", help="comma list of ngram, self (bf16 copy), self-int4, self-int8 (RTN copies), draft")
     sp.add_argument("--k", type=_int_list, default=[1, 2, 4, 6, 8], help="comma list of speculative token counts")
     sp.add_argument("--batch", type=_int_list, default=[1, 8], help="comma list of batch sizes")
     sp.add_argument("--workload", default="grounded", help="grounded (repeat / summarize a document) or free")

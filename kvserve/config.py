@@ -51,6 +51,9 @@ class EngineConfig:
     # copy, a third of them without one).
     self_draft_dtype: str | None = None
     self_draft_layers: int | None = None
+    # speculative="self": a low-bit copy instead (the lecture's compressed model as its own
+    # draft): RTN int4 (group 128) or int8 (per channel) of every linear, the LM head included.
+    self_draft_bits: int | None = None
     # StreamingLLM: every layer keeps the first `attention_sinks` tokens plus the last
     # `streaming_window` (a sliding layer: its last min(native window, sinks + window), no
     # sinks); keys are rotated by their rank in that cache, so generation can run past the
@@ -116,8 +119,11 @@ class EngineConfig:
 
             if self.self_draft_dtype not in DTYPES:
                 raise ValueError(f"self_draft_dtype must be one of {sorted(DTYPES)}, got {self.self_draft_dtype!r}")
-        if self.speculative != "self" and (self.self_draft_dtype or self.self_draft_layers):
-            raise ValueError("self_draft_dtype / self_draft_layers are only used with speculative='self'")
+        if self.self_draft_bits is not None and self.self_draft_bits not in (4, 8):
+            raise ValueError(f"self_draft_bits must be 4 or 8, got {self.self_draft_bits!r}")
+        if self.speculative != "self" and (self.self_draft_dtype or self.self_draft_layers or self.self_draft_bits):
+            raise ValueError("self_draft_dtype / self_draft_layers / self_draft_bits are only used with "
+                             "speculative='self'")
         if self.speculative == "draft" and not self.speculative_model:
             raise ValueError("speculative_model is required with speculative='draft' (a GGUF file or HF folder)")
         if self.speculative_model is not None and self.speculative != "draft":

@@ -60,6 +60,7 @@ SPEC_CONFIGS = {
     "self-bf16": dict(speculative="self", num_speculative_tokens=3),
     "self-early-exit": dict(speculative="self", num_speculative_tokens=2, self_draft_layers=6,
                             self_draft_dtype="float32"),
+    "self-int4": dict(speculative="self", num_speculative_tokens=3, self_draft_bits=4),
     "draft": dict(speculative="draft", num_speculative_tokens=5, speculative_model=None),  # path filled below
 }
 

@@ -54,9 +54,14 @@ class SpecRun:
         return self.output_tokens / statistics.median(self.seconds)
 
 
+PROPOSERS = ("ngram", "self", "self-int4", "self-int8", "draft")
+
+
 def _engine_args(proposer: str, k: int, draft_model: str | None) -> dict:
     if proposer == "plain":
         return {}
+    if proposer in ("self-int4", "self-int8"):  # the target's RTN copy as its draft
+        return dict(speculative="self", num_speculative_tokens=k, self_draft_bits=int(proposer[-1]))
     args = dict(speculative=proposer, num_speculative_tokens=k)
     if proposer == "draft":
         args["speculative_model"] = draft_model
@@ -155,8 +160,8 @@ def main(args) -> int:
         raise ValueError(f"--workload must be one of {WORKLOADS}, got {args.workload!r}")
     proposers = [p.strip() for p in args.proposers.split(",") if p.strip()]
     for p in proposers:
-        if p not in ("ngram", "self", "draft"):
-            raise ValueError(f"--proposers: unknown proposer {p!r} (ngram, self, draft)")
+        if p not in PROPOSERS:
+            raise ValueError(f"--proposers: unknown proposer {p!r} ({', '.join(PROPOSERS)})")
     if "draft" in proposers and not args.speculative_model:
         raise ValueError("--proposers draft needs --speculative-model")
     path = Path(args.dataset_path) if args.dataset_path else default_wikitext_path()

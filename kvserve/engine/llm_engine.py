@@ -348,12 +348,14 @@ class LLMEngine:
 
     def _make_self_drafter(self) -> ModelDrafter:
         """The target as its own draft: a lower-precision copy of its weights (default bf16 for
-        an fp32 target), and/or an early exit after its first `self_draft_layers` layers."""
+        an fp32 target; `self_draft_bits` 4 / 8: an RTN-quantized copy), and/or an early exit
+        after its first `self_draft_layers` layers."""
         cfg, mc = self.config, self.model_config
         target_dtype = next(self.loaded.model.parameters()).dtype
+        bits = cfg.self_draft_bits
         dtype = resolve_dtype(cfg.self_draft_dtype) if cfg.self_draft_dtype else (
-            torch.bfloat16 if target_dtype == torch.float32 else target_dtype)
-        copy = dtype != target_dtype
+            torch.bfloat16 if target_dtype == torch.float32 and not bits else target_dtype)
+        copy = dtype != target_dtype or bits is not None
         layers = cfg.self_draft_layers or (mc.num_layers if copy else max(1, mc.num_layers // 3))
         if layers > mc.num_layers or (layers == mc.num_layers and not copy):
             raise ValueError(f"self_draft_layers must be below the model's {mc.num_layers} layers (or give a "
@@ -363,7 +365,14 @@ class LLMEngine:
             log.info("self-speculative draft: early exit after %d of %d layers", layers, mc.num_layers)
             return ModelDrafter(self.runner, num_layers=exit_at)
         draft = build_model(mc, self.loaded.model.state_dict(), dtype, cfg.device, self.loaded.source)
-        return self._separate_drafter(draft, layers, f"self draft ({dtype}, {layers} of {mc.num_layers} layers)",
+        what = f"{dtype}"
+        if bits:
+            from kvserve.quant.apply import quantize_model
+
+            quantize_model(draft, "rtn", bits=bits, group_size=128, granularity="group" if bits == 4 else "channel",
+                           sym=bits == 8, lm_head=True, progress=False)
+            what = f"RTN int{bits} of {dtype}, LM head included"
+        return self._separate_drafter(draft, layers, f"self draft ({what}, {layers} of {mc.num_layers} layers)",
                                       exit_at)
 
     def _separate_drafter(self, draft, num_layers: int, what: str, exit_at: int | None = None) -> ModelDrafter:
