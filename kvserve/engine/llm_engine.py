@@ -82,7 +82,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.num_blocks, cfg.block_size,
                                           enable_prefix_caching=cfg.enable_prefix_caching and cfg.use_kv_cache,
                                           group_windows=[g.window for g in self.layer_groups],
-                                          sink_tokens=cfg.attention_sinks if self.stream_policies else 0)
+                                          sink_tokens=cfg.attention_sinks)  # 0 unless streaming (EngineConfig checks)
         self.drafter = self._make_drafter()
         self._cap_max_model_len()
         self._log_pool()

@@ -90,6 +90,10 @@ class KVCache:
         j, g = self._where[layer]
         return self.k[j], self.v[j], g
 
+    def group_of(self, layer: int) -> int:
+        """The KV layer group a layer's pages belong to."""
+        return self._where[layer][1]
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [T, KVH, D] at `slots` [T] of a layer (quantizing when the pool does)."""
         j, _ = self._where[layer]
@@ -287,8 +291,7 @@ class Attention(nn.Module):
         cos, sin = cos_sin
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-        _, _, group = kv_cache.layer(self.layer)
-        meta = meta.for_group(group)
+        meta = meta.for_group(kv_cache.group_of(self.layer))
         kv_cache.write(self.layer, meta.slot_mapping, k, v)
 
         out = torch.empty_like(q)

@@ -297,8 +297,7 @@ class PagedStreamingAttention:
     def __call__(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """layer: the calling `Attention`; q [T, H, D], k, v [T, KVH, D] pre-RoPE -> [T, H, D]."""
         cache = self.kv_cache
-        _, _, group = cache.layer(layer.layer)
-        meta = self.meta.for_group(group)
+        meta = self.meta.for_group(cache.group_of(layer.layer))
         cache.write(layer.layer, meta.slot_mapping, k, v)
         policy, rotary = self.policies[layer.layer], self.rotary[layer.layer]
         out = torch.empty_like(q)
