@@ -67,24 +67,20 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from kvserve.loading.errors import ModelLoadError
+from kvserve.loading.save import WEIGHTS_FILE, dtype_name, hf_config_dict, hf_name, unpack_loaded, write_folder
 from kvserve.quant.linear import KERNELS, QuantLinear
 from kvserve.quant.spec import QuantizedWeight, QuantSpec
 
 FORMAT_VERSION = 1
 QUANT_METHOD = "compressed-tensors"
 FORMAT = "pack-quantized"
-WEIGHTS_FILE = "model.safetensors"
-_TOKENIZER_EXTRAS = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_HF_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
 
 # --- int32 packing (compressed-tensors pack_to_int32 convention) -------------------------------
@@ -114,14 +110,6 @@ def unpack_from_int32(packed: torch.Tensor, bits: int, k: int) -> torch.Tensor:
 
 
 # --- save --------------------------------------------------------------------------------------
-
-def _hf_name(name: str) -> str:
-    return name if name == "lm_head" or name.startswith("lm_head.") else f"model.{name}"
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
 
 def _scale_storage_dtype(layer: QuantLinear) -> torch.dtype:
     if layer.kernel == "int4":
@@ -166,54 +154,6 @@ def _weights_entry(spec: QuantSpec, actorder: bool) -> dict:
             "actorder": "group" if actorder else None}
 
 
-def hf_config_dict(cfg) -> dict:
-    """A ModelConfig in the HF config.json vocabulary that kvserve/loading/hf.py reads."""
-    from kvserve.model.config import SLIDING
-
-    gemma = cfg.family == "gemma3"
-    model_type = "gemma3_text" if gemma else cfg.model_type
-    if model_type not in _HF_ARCH:
-        raise ValueError(f"cannot write an HF config for model_type {cfg.model_type!r} "
-                         f"(supported: {', '.join(_HF_ARCH)})")
-    rope = {}
-    for t, r in cfg.rope.items():
-        entry = dict(r.scaling_dict or {"rope_type": "default"})
-        entry["rope_theta"] = r.theta
-        rope[t] = entry
-    d = {"architectures": [_HF_ARCH[model_type]], "model_type": model_type, "vocab_size": cfg.vocab_size,
-         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-         "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-         "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps,
-         "max_position_embeddings": cfg.max_position_embeddings, "layer_types": list(cfg.layer_types),
-         "rope_parameters": rope, "hidden_act": cfg.hidden_act, "attention_bias": cfg.qkv_bias,
-         "mlp_bias": cfg.mlp_bias, "tie_word_embeddings": cfg.tie_word_embeddings,
-         "final_logit_softcapping": cfg.final_logit_softcapping, "bos_token_id": cfg.bos_token_id,
-         "eos_token_id": list(cfg.eos_token_ids), "pad_token_id": cfg.pad_token_id, "torch_dtype": "float32"}
-    if SLIDING in cfg.layer_types:
-        d["sliding_window"] = cfg.sliding_window
-    if gemma:
-        qpas = cfg.attn_scale ** -2
-        d["query_pre_attn_scalar"] = round(qpas) if abs(qpas - round(qpas)) < 1e-6 else qpas
-        d["hidden_activation"] = cfg.hidden_act
-        d["attn_logit_softcapping"] = None
-        if SLIDING in cfg.rope:
-            d["rope_local_base_freq"] = cfg.rope[SLIDING].theta
-    return d
-
-
-def _config_mismatches(a, b) -> list[str]:
-    """Fields where two ModelConfigs differ (rope compared as dicts; names and templates skipped)."""
-    from kvserve.loading.serialize import config_to_dict
-
-    da, db = config_to_dict(a), config_to_dict(b)
-    # add_bos_token lives in tokenizer_config.json (written there), which read_hf_config does not read.
-    skip = {"model_type", "chat_template", "add_bos_token"}
-    bad = [k for k in da if k not in skip and da[k] != db[k]]
-    if a.family == "gemma3" and "attn_scale" in bad and math.isclose(a.attn_scale, b.attn_scale, rel_tol=1e-12):
-        bad.remove("attn_scale")
-    return bad
-
-
 def save_quantized(model, out_dir: str | Path, *, source: str | Path | None = None, tokenizer=None,
                    config=None) -> Path:
     """Write `model` (a CausalLM with QuantLinear layers from kvserve.quant.quantize_model, or a
@@ -223,20 +163,9 @@ def save_quantized(model, out_dir: str | Path, *, source: str | Path | None = No
     folder). tokenizer: a kvserve Tokenizer or a path to a tokenizer.json (required unless
     `model` is a LoadedModel). config: the ModelConfig (default model.config). -> out_dir.
     """
-    from safetensors.torch import save_file
-
-    from kvserve.loading.hf import read_hf_config
-
-    if hasattr(model, "model") and hasattr(model, "tokenizer"):  # a LoadedModel
-        source = source if source is not None else model.source
-        tokenizer = tokenizer if tokenizer is not None else model.tokenizer
-        model = model.model
+    model, source, tokenizer = unpack_loaded(model, source, tokenizer, "save_quantized")
     cfg = config if config is not None else model.config
-    if tokenizer is None:
-        raise ValueError("save_quantized: a tokenizer (kvserve Tokenizer or tokenizer.json path) is needed "
-                         "so the folder is self-contained")
     out = Path(out_dir).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
 
     quant: dict[str, QuantLinear] = {}
     ignore: list[str] = []
@@ -244,7 +173,7 @@ def save_quantized(model, out_dir: str | Path, *, source: str | Path | None = No
         if isinstance(mod, QuantLinear):
             quant[name] = mod
         elif isinstance(mod, nn.Linear):
-            ignore.append(_hf_name(name))
+            ignore.append(hf_name(name))
         elif name and not list(mod.children()) and any(True for _ in mod.buffers(recurse=False)) \
                 and type(mod).__module__.startswith("kvserve.quant"):
             raise ValueError(f"save_quantized: module {name!r} ({type(mod).__name__}) has no saved format; "
@@ -256,63 +185,34 @@ def save_quantized(model, out_dir: str | Path, *, source: str | Path | None = No
     groups: dict[tuple, dict] = {}
     for name, layer in quant.items():
         for key, t in quantized_tensors(layer).items():
-            tensors[f"{_hf_name(name)}.{key}"] = t
+            tensors[f"{hf_name(name)}.{key}"] = t
         spec = layer.spec
         gkey = (spec, layer.kernel, layer.act_dtype, layer.g_idx is not None if layer.kernel == "dequant" else False)
         if gkey not in groups:
             groups[gkey] = {"targets": [], "weights": _weights_entry(spec, gkey[3]), "input_activations": None,
                             "output_activations": None,
-                            "kvserve": {"kernel": layer.kernel, "act_dtype": _dtype_name(layer.act_dtype),
-                                        "scale_dtype": _dtype_name(spec.scale_dtype)}}
-        groups[gkey]["targets"].append(_hf_name(name))
+                            "kvserve": {"kernel": layer.kernel, "act_dtype": dtype_name(layer.act_dtype),
+                                        "scale_dtype": dtype_name(spec.scale_dtype)}}
+        groups[gkey]["targets"].append(hf_name(name))
     prefixes = tuple(f"{n}." for n in quant)
     for name, t in model.state_dict().items():
         if name.startswith(prefixes):
             continue
-        tensors[_hf_name(name)] = t.detach().contiguous()
+        tensors[hf_name(name)] = t.detach().contiguous()
     if cfg.tie_word_embeddings and "lm_head" not in quant:
         tensors.pop("lm_head.weight", None)
 
     hf = hf_config_dict(cfg)
-    hf["torch_dtype"] = _dtype_name(model.embed_tokens.weight.dtype)
+    hf["torch_dtype"] = dtype_name(model.embed_tokens.weight.dtype)
     hf["quantization_config"] = {
         "quant_method": QUANT_METHOD, "format": FORMAT, "quantization_status": "compressed",
         "config_groups": {f"group_{i}": g for i, g in enumerate(groups.values())},
         "ignore": ignore, "kv_cache_scheme": None, "kvserve_format_version": FORMAT_VERSION}
 
-    # Tokenizer and side files.
-    tok_out = out / "tokenizer.json"
-    if isinstance(tokenizer, (str, Path)):
-        if Path(tokenizer).resolve() != tok_out.resolve():
-            shutil.copyfile(tokenizer, tok_out)
-    else:
-        tokenizer._tk.save(str(tok_out))
-    src = Path(source).expanduser() if source is not None else None
-    if src is not None and src.is_dir():
-        for f in _TOKENIZER_EXTRAS:
-            if (src / f).is_file() and (src / f).resolve() != (out / f).resolve():
-                shutil.copyfile(src / f, out / f)
-    if cfg.chat_template and not (out / "chat_template.jinja").exists():
-        (out / "chat_template.jinja").write_text(cfg.chat_template)
-    if not cfg.add_bos_token:
-        tc = out / "tokenizer_config.json"
-        doc = json.loads(tc.read_text()) if tc.is_file() else {}
-        doc["add_bos_token"] = False
-        tc.write_text(json.dumps(doc, indent=1))
-    gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": list(cfg.eos_token_ids),
-           "pad_token_id": cfg.pad_token_id}
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=1))
-
-    (out / "config.json").write_text(json.dumps(hf, indent=1))
-    back = read_hf_config(out)
-    bad = _config_mismatches(cfg, back)
-    if bad:
-        raise ValueError(f"save_quantized: config fields {bad} do not survive the HF config.json "
-                         f"({', '.join(f'{k}: {getattr(cfg, k)!r} -> {getattr(back, k)!r}' for k in bad)})")
-    tmp = out / (WEIGHTS_FILE + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": "pt", "kvserve_quant": FORMAT})
-    tmp.replace(out / WEIGHTS_FILE)
-    return out
+    try:
+        return write_folder(out, cfg, hf, tensors, tokenizer, source, {"kvserve_quant": FORMAT})
+    except ValueError as e:
+        raise ValueError(f"save_quantized: {e}") from None
 
 
 # --- load --------------------------------------------------------------------------------------

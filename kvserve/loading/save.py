@@ -1,0 +1,165 @@
+"""Write a model as a self-contained HF-style folder that `load_model` (and HF transformers, for
+a dense model) reads back: `config.json`, `generation_config.json`, `tokenizer.json` (+ the
+tokenizer side files of an HF source folder, or the chat template written out) and
+`model.safetensors` under HF tensor names (`model.layers.0.self_attn.q_proj.weight`, ...).
+
+`save_model` writes a dense model (pruned, distilled, converted: whatever the ModelConfig now
+says, e.g. fewer layers or a narrower MLP). The quantized writer (kvserve/quant/io.py) shares
+the config and side-file helpers. Before the weights are written the config is read back
+through `read_hf_config` and must give the same ModelConfig, so a field the HF vocabulary
+cannot say fails at save time, not at load time.
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import torch
+
+WEIGHTS_FILE = "model.safetensors"
+_TOKENIZER_EXTRAS = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+_HF_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+
+
+def hf_name(name: str) -> str:
+    """Our parameter / module name -> the HF one ("layers.0..." -> "model.layers.0...")."""
+    return name if name == "lm_head" or name.startswith("lm_head.") else f"model.{name}"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def hf_config_dict(cfg) -> dict:
+    """A ModelConfig in the HF config.json vocabulary that kvserve/loading/hf.py reads."""
+    from kvserve.model.config import FULL, SLIDING
+
+    gemma = cfg.family == "gemma3"
+    model_type = "gemma3_text" if gemma else cfg.model_type
+    if model_type not in _HF_ARCH:
+        raise ValueError(f"cannot write an HF config for model_type {cfg.model_type!r} "
+                         f"(supported: {', '.join(_HF_ARCH)})")
+    rope = {}
+    for t, r in cfg.rope.items():
+        entry = dict(r.scaling_dict or {"rope_type": "default"})
+        entry["rope_theta"] = r.theta
+        rope[t] = entry
+    if not gemma:  # one rotary for every layer: transformers reads the flat form for these families
+        rope = rope[FULL] if FULL in rope else next(iter(rope.values()))
+    d = {"architectures": [_HF_ARCH[model_type]], "model_type": model_type, "vocab_size": cfg.vocab_size,
+         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+         "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+         "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps,
+         "max_position_embeddings": cfg.max_position_embeddings, "layer_types": list(cfg.layer_types),
+         "rope_parameters": rope, "hidden_act": cfg.hidden_act, "attention_bias": cfg.qkv_bias,
+         "mlp_bias": cfg.mlp_bias, "tie_word_embeddings": cfg.tie_word_embeddings,
+         "final_logit_softcapping": cfg.final_logit_softcapping, "bos_token_id": cfg.bos_token_id,
+         "eos_token_id": list(cfg.eos_token_ids), "pad_token_id": cfg.pad_token_id, "torch_dtype": "float32"}
+    if SLIDING in cfg.layer_types:
+        d["sliding_window"] = cfg.sliding_window
+    if gemma:
+        qpas = cfg.attn_scale ** -2
+        d["query_pre_attn_scalar"] = round(qpas) if abs(qpas - round(qpas)) < 1e-6 else qpas
+        d["hidden_activation"] = cfg.hidden_act
+        d["attn_logit_softcapping"] = None
+        if SLIDING in cfg.rope:
+            d["rope_local_base_freq"] = cfg.rope[SLIDING].theta
+    return d
+
+
+def config_mismatches(a, b) -> list[str]:
+    """Fields where two ModelConfigs differ (rope compared as dicts; names and templates skipped)."""
+    from kvserve.loading.serialize import config_to_dict
+
+    da, db = config_to_dict(a), config_to_dict(b)
+    # add_bos_token lives in tokenizer_config.json (written there), which read_hf_config does not read.
+    skip = {"model_type", "chat_template", "add_bos_token"}
+    bad = [k for k in da if k not in skip and da[k] != db[k]]
+    if a.family == "gemma3" and "attn_scale" in bad and math.isclose(a.attn_scale, b.attn_scale, rel_tol=1e-12):
+        bad.remove("attn_scale")
+    return bad
+
+
+def unpack_loaded(model, source, tokenizer, who: str):
+    """(model, source, tokenizer) from a kvserve LoadedModel or a bare CausalLM + arguments."""
+    if hasattr(model, "model") and hasattr(model, "tokenizer"):  # a LoadedModel
+        source = source if source is not None else model.source
+        tokenizer = tokenizer if tokenizer is not None else model.tokenizer
+        model = model.model
+    if tokenizer is None:
+        raise ValueError(f"{who}: a tokenizer (kvserve Tokenizer or tokenizer.json path) is needed "
+                         f"so the folder is self-contained")
+    return model, source, tokenizer
+
+
+def write_folder(out: Path, cfg, hf: dict, tensors: dict[str, torch.Tensor], tokenizer, source,
+                 metadata: dict[str, str] | None = None) -> Path:
+    """Write config.json (checked by reading it back), the tokenizer and side files, then
+    model.safetensors (atomically: a temporary file renamed at the end)."""
+    from safetensors.torch import save_file
+
+    from kvserve.loading.hf import read_hf_config
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok_out = out / "tokenizer.json"
+    if isinstance(tokenizer, (str, Path)):
+        if Path(tokenizer).resolve() != tok_out.resolve():
+            shutil.copyfile(tokenizer, tok_out)
+    else:
+        tokenizer._tk.save(str(tok_out))
+    src = Path(source).expanduser() if source is not None else None
+    if src is not None and src.is_dir():
+        for f in _TOKENIZER_EXTRAS:
+            if (src / f).is_file() and (src / f).resolve() != (out / f).resolve():
+                shutil.copyfile(src / f, out / f)
+    if cfg.chat_template and not (out / "chat_template.jinja").exists():
+        (out / "chat_template.jinja").write_text(cfg.chat_template)
+    if not cfg.add_bos_token:
+        tc = out / "tokenizer_config.json"
+        doc = json.loads(tc.read_text()) if tc.is_file() else {}
+        doc["add_bos_token"] = False
+        tc.write_text(json.dumps(doc, indent=1))
+    gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": list(cfg.eos_token_ids),
+           "pad_token_id": cfg.pad_token_id}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=1))
+
+    (out / "config.json").write_text(json.dumps(hf, indent=1))
+    back = read_hf_config(out)
+    bad = config_mismatches(cfg, back)
+    if bad:
+        raise ValueError(f"config fields {bad} do not survive the HF config.json "
+                         f"({', '.join(f'{k}: {getattr(cfg, k)!r} -> {getattr(back, k)!r}' for k in bad)})")
+    tmp = out / (WEIGHTS_FILE + ".tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt", **(metadata or {})})
+    tmp.replace(out / WEIGHTS_FILE)
+    return out
+
+
+def save_model(model, out_dir: str | Path, *, source: str | Path | None = None, tokenizer=None,
+               config=None, dtype: torch.dtype | None = None) -> Path:
+    """Write a dense `model` (a CausalLM or a LoadedModel) to `out_dir` -> out_dir.
+
+    config: the ModelConfig to write (default model.config: a transform that changed the shape
+    updates it). dtype: store floating tensors in this dtype (default: as in memory).
+    A model holding quantized modules is refused (kvserve.quant.io.save_quantized writes those).
+    """
+    model, source, tokenizer = unpack_loaded(model, source, tokenizer, "save_model")
+    cfg = config if config is not None else model.config
+    for name, mod in model.named_modules():
+        if type(mod).__module__.startswith("kvserve.quant"):
+            raise ValueError(f"save_model: module {name!r} ({type(mod).__name__}) is quantized; "
+                             f"save it with kvserve.quant.io.save_quantized")
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        t = t.detach()
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        tensors[hf_name(name)] = t.contiguous()
+    if cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    hf = hf_config_dict(cfg)
+    hf["torch_dtype"] = dtype_name(tensors["model.embed_tokens.weight"].dtype)
+    return write_folder(Path(out_dir).expanduser(), cfg, hf, tensors, tokenizer, source)
