@@ -54,6 +54,8 @@ def _add_ppl_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--granularity", default="group", help="--quant: tensor, channel or group")
     p.add_argument("--sym", action="store_true", help="--quant: symmetric grid (default asymmetric)")
     p.add_argument("--quant-lm-head", action="store_true", help="--quant: quantize the LM head too")
+    p.add_argument("--quant-embedding", action="store_true",
+                   help="--quant: the embedding lookup reads the quantized codes too (a tied table shares the head's; needs --quant-lm-head)")
     p.add_argument("--json", default=None, help="write the result here")
 
 

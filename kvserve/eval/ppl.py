@@ -294,10 +294,11 @@ def main(args: argparse.Namespace) -> int:
     if args.quant != "none":
         # A copy (sharing the embedding table, which stays in floating point): the loaded model
         # may be the float32 reference, or a caller's.
-        emb = model.embed_tokens.weight
-        model = copy.deepcopy(model, memo={id(emb): emb})
+        emb = getattr(model.embed_tokens, "weight", None)
+        model = copy.deepcopy(model, memo={} if emb is None else {id(emb): emb})
         quant = quantize_model(model, args.quant, bits=args.bits, group_size=args.group_size, sym=args.sym,
-                               granularity=args.granularity, lm_head=args.quant_lm_head).to_dict()
+                               granularity=args.granularity, lm_head=args.quant_lm_head,
+                               embedding=args.quant_embedding).to_dict()
     tokens = tokenize_file(loaded.tokenizer, path)
     bos = loaded.config.bos_token_id if cfg.bos and loaded.config.add_bos_token else None
     result = evaluate(model, tokens, cfg.seqlen, reference=reference, bos_token_id=bos,

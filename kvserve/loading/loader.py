@@ -68,7 +68,7 @@ def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: to
         except AttributeError:
             raise ModelLoadError(source, f"quantized module {name!r} does not exist in a {cfg.model_type} "
                                          f"model") from None
-        if leaf != "lm_head" and not isinstance(getattr(holder, leaf, None), torch.nn.Linear):
+        if leaf != "lm_head" and not isinstance(getattr(holder, leaf, None), (torch.nn.Linear, torch.nn.Embedding)):
             raise ModelLoadError(source, f"quantized module {name!r} is not a linear layer of the model")
         module = module.to(device)
         setattr(holder, leaf, module)

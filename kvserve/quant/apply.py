@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from kvserve.quant.awq import AWQQuantizer
 from kvserve.quant.calibrate import Calibrator
+from kvserve.quant.embedding import QuantEmbedding
 from kvserve.quant.gptq import GPTQQuantizer
 from kvserve.quant.linear import QuantLinear
 from kvserve.quant.rtn import RTNQuantizer
@@ -124,6 +125,7 @@ def quantize_model(
     kernel: str = "auto",
     skip: Sequence[str] = (),
     lm_head: bool = False,
+    embedding: bool = False,
     stats_fn: StatsFn | None = None,
     calibration: torch.Tensor | None = None,
     method_options: dict | None = None,
@@ -134,13 +136,19 @@ def quantize_model(
     bits 2..8; granularity "tensor" | "channel" | "group" (with group_size); sym: symmetric
     grid. act_dtype: activations of the int4/int8 kernels (default bfloat16, the fast CPU path;
     see kvserve/quant/linear.py). skip: substrings of layer names ("layers.0.", "down_proj")
-    left in floating point. lm_head: quantize the LM head too (the embedding lookup stays; RTN for
-    GPTQ, whose calibration does not reach the head).
+    left in floating point. lm_head: quantize the LM head too (RTN for a calibrated method, whose
+    calibration does not reach the head). embedding: the token-embedding lookup reads low-bit
+    codes too (kvserve/quant/embedding.py): a tied model's lookup shares the quantized head's
+    codes (needs lm_head=True) and the float table is freed; an untied one gets its own RTN copy.
     calibration: token windows [n, L] (kvserve.quant.calibrate.load_calibration) for a calibrated
     method when no stats_fn is given. method_options: see `make_quantizer`.
     Peak extra memory is one layer's float copy: each block is replaced before the next.
     """
     act = act_dtype or torch.bfloat16
+    tied = getattr(model, "lm_head", None) is None
+    if embedding and tied and not lm_head:
+        raise ValueError("embedding=True on a tied model needs lm_head=True: the table is the LM head, quantized "
+                         "once for both")
     # Scales rounded to the dtype the int4/int8 kernels store them in (see QuantSpec.scale_dtype).
     spec = QuantSpec(bits=bits, sym=sym, granularity=granularity, group_size=group_size,
                      scale_dtype=torch.float32 if kernel == "dequant" else act)
@@ -183,15 +191,33 @@ def quantize_model(
             # The head is not calibrated: a calibrated method's head gets the plain RTN grid.
             head_q = RTNQuantizer(spec) if quantizer.needs_calibration else quantizer
             q, mse = quantize_linear(head_w, bias, head_q, None, act, kernel)
-            tied = model.lm_head is None
             report.layers.append(LayerReport("lm_head", tuple(head_w.shape), q.kernel,
                                              0 if tied else _tensor_bytes(head_w), q.weight_nbytes, mse))
             model.lm_head = q  # CausalLM.compute_logits calls the head module when there is one
+        if embedding:
+            report.layers.append(_quantize_embedding(model, tied, spec, quantizer, act, kernel))
     report.seconds = time.perf_counter() - t0
     log.info("quantized %d layers (%s) with %s %s in %.1f s: %.1f MB -> %.1f MB", len(report.layers),
              ", ".join(f"{k}: {v}" for k, v in report.kernels().items()), method, spec.label(), report.seconds,
              report.bytes_before / 1e6, report.bytes_after / 1e6)
     return report
+
+
+def _quantize_embedding(model: nn.Module, tied: bool, spec: QuantSpec, quantizer: LayerQuantizer,
+                        act: torch.dtype, kernel: str) -> LayerReport:
+    """Replace model.embed_tokens by a QuantEmbedding (shared with the quantized head when tied)."""
+    emb = model.embed_tokens
+    if isinstance(emb, QuantEmbedding):
+        raise ValueError("the embedding is already quantized")
+    w = emb.weight
+    if tied:
+        table = model.lm_head
+        model.embed_tokens = QuantEmbedding(table, w.dtype, tied=True)
+        return LayerReport("embed_tokens", tuple(w.shape), table.kernel, _tensor_bytes(w), 0, 0.0)
+    q_rtn = RTNQuantizer(spec) if quantizer.needs_calibration else quantizer
+    table, mse = quantize_linear(w, None, q_rtn, None, act, kernel)
+    model.embed_tokens = QuantEmbedding(table, w.dtype, tied=False)
+    return LayerReport("embed_tokens", tuple(w.shape), table.kernel, _tensor_bytes(w), table.weight_nbytes, mse)
 
 
 def model_weight_bytes(model: nn.Module) -> int:

@@ -74,6 +74,7 @@ from torch import nn
 
 from kvserve.loading.errors import ModelLoadError
 from kvserve.loading.save import WEIGHTS_FILE, dtype_name, hf_config_dict, hf_name, unpack_loaded, write_folder
+from kvserve.quant.embedding import QuantEmbedding
 from kvserve.quant.linear import KERNELS, QuantLinear
 from kvserve.quant.spec import QuantizedWeight, QuantSpec
 
@@ -169,9 +170,14 @@ def save_quantized(model, out_dir: str | Path, *, source: str | Path | None = No
 
     quant: dict[str, QuantLinear] = {}
     ignore: list[str] = []
+    emb = model.embed_tokens
+    tied_embedding = isinstance(emb, QuantEmbedding) and emb.tied
+    if tied_embedding and model.lm_head is not emb.source:
+        raise ValueError("save_quantized: the tied quantized embedding does not read the model's LM head")
     for name, mod in model.named_modules():
         if isinstance(mod, QuantLinear):
-            quant[name] = mod
+            # An untied QuantEmbedding's table is stored as the module "embed_tokens" itself.
+            quant["embed_tokens" if name == "embed_tokens.table" else name] = mod
         elif isinstance(mod, nn.Linear):
             ignore.append(hf_name(name))
         elif name and not list(mod.children()) and any(True for _ in mod.buffers(recurse=False)) \
@@ -194,7 +200,7 @@ def save_quantized(model, out_dir: str | Path, *, source: str | Path | None = No
                             "kvserve": {"kernel": layer.kernel, "act_dtype": dtype_name(layer.act_dtype),
                                         "scale_dtype": dtype_name(spec.scale_dtype)}}
         groups[gkey]["targets"].append(hf_name(name))
-    prefixes = tuple(f"{n}." for n in quant)
+    prefixes = tuple(f"{n}." for n in quant) + ("embed_tokens.table.",)
     for name, t in model.state_dict().items():
         if name.startswith(prefixes):
             continue
@@ -203,11 +209,13 @@ def save_quantized(model, out_dir: str | Path, *, source: str | Path | None = No
         tensors.pop("lm_head.weight", None)
 
     hf = hf_config_dict(cfg)
-    hf["torch_dtype"] = dtype_name(model.embed_tokens.weight.dtype)
+    hf["torch_dtype"] = dtype_name(model.norm.weight.dtype)
     hf["quantization_config"] = {
         "quant_method": QUANT_METHOD, "format": FORMAT, "quantization_status": "compressed",
         "config_groups": {f"group_{i}": g for i, g in enumerate(groups.values())},
         "ignore": ignore, "kv_cache_scheme": None, "kvserve_format_version": FORMAT_VERSION}
+    if tied_embedding:  # the lookup reads the quantized head's codes: nothing else to store
+        hf["quantization_config"]["kvserve_embedding"] = "lm_head"
 
     try:
         return write_folder(out, cfg, hf, tensors, tokenizer, source, {"kvserve_quant": FORMAT})
@@ -391,6 +399,14 @@ def load_quantized_model(folder: Path, cfg, dtype: torch.dtype, device: torch.de
             if ours in modules:
                 raise ModelLoadError(cfg_path, f"quantization_config: module {target!r} is in two groups")
             modules[ours] = _load_layer(tensors, target, spec, kernel, act_dtype, actorder, file_hint)
+    if "embed_tokens" in modules:  # an untied quantized table: a lookup, not a linear
+        modules["embed_tokens"] = QuantEmbedding(modules["embed_tokens"], dtype, tied=False)
+    shared = q.get("kvserve_embedding")
+    if shared is not None:
+        if shared != "lm_head" or "lm_head" not in modules or not cfg.tie_word_embeddings:
+            raise ModelLoadError(cfg_path, f"quantization_config.kvserve_embedding {shared!r}: only 'lm_head' of a "
+                                           f"tied model whose LM head is quantized is supported")
+        modules["embed_tokens"] = QuantEmbedding(modules["lm_head"], dtype, tied=True)
     plain: dict[str, torch.Tensor] = {}
     for key in tensors.where:
         if key in tensors.used:

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.quant.packing import check_cpu_int4_shape, cpu_int4_pack, from_cpu_int4_layout
+from kvserve.quant.packing import check_cpu_int4_shape, cpu_int4_pack, cpu_int4_rows, from_cpu_int4_layout
 from kvserve.quant.rtn import dequantize
 from kvserve.quant.spec import QuantizedWeight, QuantSpec
 
@@ -174,6 +174,22 @@ class QuantLinear(nn.Module):
             w = self.qweight.float() * self.scales.float()[:, None]
             return w if self.zero_offset is None else w - self.zero_offset[:, None]
         return dequantize(self.qweight, self.scales, self.zeros, g_idx=self.g_idx)
+
+    def dequantized_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """dequantized_weight()[rows] [T, K] float32, bit for bit, reading only those rows (the
+        embedding lookup of kvserve.quant.embedding.QuantEmbedding)."""
+        rows = rows.reshape(-1).to(torch.int64)
+        if self.kernel == "int4":
+            u = cpu_int4_rows(self.qweight, rows).float()
+            sz = self.scales_and_zeros[:, rows].float()  # [K/g, T, 2]
+            s = sz[..., 0].t().repeat_interleave(self.group_size, dim=1)
+            zf = sz[..., 1].t().repeat_interleave(self.group_size, dim=1)
+            return (u - 8) * s + zf
+        if self.kernel == "int8":
+            w = self.qweight[rows].float() * self.scales[rows].float()[:, None]
+            return w if self.zero_offset is None else w - self.zero_offset[rows][:, None]
+        zeros = None if self.zeros is None else self.zeros[rows]
+        return dequantize(self.qweight[rows], self.scales[rows], zeros, g_idx=self.g_idx)
 
     def quantized_weight(self) -> QuantizedWeight:
         """Back to canonical codes/scales/zeros (scales as stored, e.g. bf16-rounded)."""

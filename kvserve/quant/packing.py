@@ -93,6 +93,24 @@ def from_cpu_int4_layout(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat(rows).to(torch.int32)
 
 
+def cpu_int4_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Codes of some rows of a CPU-int4-layout weight: packed uint8 [N, K/2], rows [T] int64 ->
+    codes [T, K] int32, equal to from_cpu_int4_layout(packed)[rows] without unpacking the rest
+    (an embedding lookup from a quantized LM head reads T rows of a 262144-row table)."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    flat = packed.reshape(-1)
+    full = n - n % CPU_INT4_BLOCK_N
+    r = rows.to(torch.int64)
+    in_tail = r >= full
+    rt = r - full
+    # A 64-row block is [k, 32] bytes: byte j of column k holds rows j and j + 32 of the block.
+    base = torch.where(in_tail, full * k // 2 + rt // 2, (r // 64) * 32 * k + r % 32)
+    stride = torch.where(in_tail, torch.full_like(r, max((n - full) // 2, 1)), torch.full_like(r, 32))
+    shift = torch.where(in_tail, rt % 2, (r % 64) // 32) * 4
+    idx = base[:, None] + torch.arange(k, dtype=torch.int64)[None, :] * stride[:, None]  # [T, K]
+    return ((flat[idx].to(torch.int32) >> shift[:, None].to(torch.int32)) & 0x0F)
+
+
 def cpu_int4_pack(codes: torch.Tensor) -> torch.Tensor:
     """codes [N, K] in [0, 15] -> the CPU kernel's packed weight, through the torch op when this
     torch has it (the authority on its own layout), else the pure-torch equivalent."""
