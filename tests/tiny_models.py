@@ -43,6 +43,10 @@ def make_config(kind: str):
         return tf.Gemma3TextConfig(**{**common, "num_hidden_layers": 6}, head_dim=32, sliding_window=8,
                                    query_pre_attn_scalar=24, layer_types=["sliding_attention"] * 2 +
                                    ["full_attention"] + ["sliding_attention"] * 2 + ["full_attention"])
+    if kind in ("deepseek_v3", "deepseek_v2"):  # MLA, dense MLPs only (every layer below first_k_dense_replace)
+        cls = tf.DeepseekV3Config if kind == "deepseek_v3" else tf.DeepseekV2Config
+        return cls(**{**common, "num_key_value_heads": 4}, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16,
+                   qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=3, rope_scaling=None)
     raise ValueError(kind)
 
 
@@ -62,6 +66,11 @@ def make_model(kind: str, folder: Path, shard: bool = False, **overrides):
             for n, p in model.named_parameters():
                 if "norm" in n:
                     p.normal_(0, 0.3)
+    if kind.startswith("deepseek"):  # random norm weights so the latent norms are exercised
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "norm" in n:
+                    p.normal_(1, 0.3)
     model = model.float().eval()
     model.save_pretrained(folder, max_shard_size="60KB" if shard else "2GB")
     write_tokenizer(folder)

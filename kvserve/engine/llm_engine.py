@@ -65,18 +65,20 @@ class LLMEngine:
         self.loaded = loaded or load_model(cfg.model, cfg.dtype, cfg.device)
         self.model_config = mc = self.loaded.model.config
         self.tokenizer = self.loaded.tokenizer
+        self._check_mla()
         self.stream_policies = self._stream_policies()
         self.max_model_len = self._max_model_len()
         kv_dtype = next(self.loaded.model.parameters()).dtype
         self.layer_groups = self._layer_groups()
         group_size = len(self.layer_groups[0].layers)
-        # A page: block_size tokens of K and V for one layer group's layers.
-        per_token_head = KVCache.bytes_per_token_head(mc.head_dim, kv_dtype, cfg.kv_cache_dtype)
-        self.page_bytes = group_size * mc.num_kv_heads * per_token_head * cfg.block_size
+        # A page: block_size tokens of K and V for one layer group's layers (MLA: latent + RoPE key).
+        heads, k_dim, v_dim = mc.kv_cache_layout
+        per_token_head = KVCache.bytes_per_token_head(k_dim, kv_dtype, cfg.kv_cache_dtype, v_dim)
+        self.page_bytes = group_size * heads * per_token_head * cfg.block_size
         self.num_blocks = max(len(self.layer_groups), int(cfg.kv_cache_gib * 2**30 // self.page_bytes))  # pages
-        self.kv_cache = KVCache(mc.num_layers, self.num_blocks * cfg.block_size, mc.num_kv_heads, mc.head_dim,
+        self.kv_cache = KVCache(mc.num_layers, self.num_blocks * cfg.block_size, heads, k_dim,
                                 kv_dtype, cfg.device, layer_groups=[g.layers for g in self.layer_groups],
-                                kv_dtype=cfg.kv_cache_dtype)
+                                kv_dtype=cfg.kv_cache_dtype, v_head_dim=v_dim)
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, cfg.block_size, cfg.device,
                                   stream_policies=self.stream_policies)
         self.block_manager = BlockManager(self.num_blocks, cfg.block_size,
@@ -98,6 +100,17 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.clock = time.perf_counter  # the one monotonic clock for every timestamp
+
+    def _check_mla(self) -> None:
+        """MLA caches one latent per token: no per-head K/V for KV quantization or StreamingLLM."""
+        cfg, mc = self.config, self.model_config
+        if not mc.mla:
+            return
+        if cfg.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype {cfg.kv_cache_dtype!r} is not supported for MLA models "
+                             f"({mc.model_type}): use 'auto'")
+        if cfg.streaming_window is not None:
+            raise ValueError(f"streaming_window is not supported for MLA models ({mc.model_type})")
 
     def _stream_policies(self) -> list[StreamPolicy] | None:
         """StreamingLLM's per-layer policies (None when off). The ranks given to cached keys
@@ -379,11 +392,12 @@ class LLMEngine:
         """A drafter with its own KV pool (num_layers layers) addressed by the target's block tables."""
         dc, cfg = draft.config, self.config
         kv_dtype = next(draft.parameters()).dtype
+        heads, k_dim, v_dim = dc.kv_cache_layout
         if self.kv_cache.num_groups > 1:  # the self draft: the target's layers, so its layer groups too
-            cache = KVCache(dc.num_layers, self.kv_cache.num_slots, dc.num_kv_heads, dc.head_dim, kv_dtype, cfg.device,
-                            layer_groups=[g.layers for g in self.layer_groups])
+            cache = KVCache(dc.num_layers, self.kv_cache.num_slots, heads, k_dim, kv_dtype, cfg.device,
+                            layer_groups=[g.layers for g in self.layer_groups], v_head_dim=v_dim)
         else:
-            cache = KVCache(num_layers, self.kv_cache.num_slots, dc.num_kv_heads, dc.head_dim, kv_dtype, cfg.device)
+            cache = KVCache(num_layers, self.kv_cache.num_slots, heads, k_dim, kv_dtype, cfg.device, v_head_dim=v_dim)
         log.info("%s: its own KV pool %.2f GiB (same block tables as the target)", what, cache.nbytes / 2**30)
         self.draft_runner = ModelRunner(draft, cache, cfg.block_size, cfg.device)
         return ModelDrafter(self.draft_runner, num_layers=exit_at, separate_cache=True)

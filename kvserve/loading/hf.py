@@ -9,7 +9,8 @@ import torch
 from kvserve.loading.errors import ModelLoadError
 from kvserve.model.config import FULL, SLIDING, ModelConfig, RopeConfig
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "deepseek_v2", "deepseek_v3")
+MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 
 
 def _read_json(path: Path) -> dict:
@@ -86,6 +87,33 @@ def read_chat_template(folder: Path) -> str | None:
     return tpl or None
 
 
+def _mla_fields(c: dict, cfg_path: Path, model_type: str, n_layers: int) -> dict:
+    """ModelConfig overrides of a DeepSeek-V2/V3 (MLA) config: a dense-MLP model only."""
+    names = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+    for name in names:
+        if not isinstance(c.get(name), int) or c[name] <= 0:
+            raise ModelLoadError(cfg_path, f"MLA field {name!r} must be a positive integer, got {c.get(name)!r}")
+    q_lora = c.get("q_lora_rank")
+    if q_lora is not None and (not isinstance(q_lora, int) or q_lora <= 0):
+        raise ModelLoadError(cfg_path, f"MLA field 'q_lora_rank' must be null or a positive integer, got {q_lora!r}")
+    if c["qk_rope_head_dim"] % 2:
+        raise ModelLoadError(cfg_path, f"MLA field 'qk_rope_head_dim' must be even, got {c['qk_rope_head_dim']}")
+    dense = int(c.get("first_k_dense_replace") or 0)
+    if c.get("n_routed_experts") and dense < n_layers:
+        raise ModelLoadError(cfg_path, f"MoE layers are not supported: first_k_dense_replace ({dense}) < "
+                                       f"num_hidden_layers ({n_layers}) with n_routed_experts set")
+    rp = c.get("rope_parameters") if isinstance(c.get("rope_parameters"), dict) else c.get("rope_scaling")
+    if _rope_scaling(rp) is not None:
+        raise ModelLoadError(cfg_path, f"rope scaling {dict(_rope_scaling(rp))} is not supported for MLA models")
+    return dict(family="deepseek", num_kv_heads=1, head_dim=c["qk_rope_head_dim"],
+                attn_scale=(c["qk_nope_head_dim"] + c["qk_rope_head_dim"]) ** -0.5,
+                kv_lora_rank=c["kv_lora_rank"], q_lora_rank=q_lora, qk_nope_head_dim=c["qk_nope_head_dim"],
+                qk_rope_head_dim=c["qk_rope_head_dim"], v_head_dim=c["v_head_dim"],
+                # V2 rotates interleaved pairs (complex form); V3 does unless rope_interleave is false.
+                rope_interleave=model_type == "deepseek_v2" or bool(c.get("rope_interleave", True)),
+                qkv_bias=bool(c.get("attention_bias", False)), o_bias=bool(c.get("attention_bias", False)))
+
+
 def read_hf_config(folder: Path) -> ModelConfig:
     cfg_path = folder / "config.json"
     c = _read_json(cfg_path)
@@ -104,7 +132,8 @@ def read_hf_config(folder: Path) -> ModelConfig:
         gen = folder / "generation_config.json"
         eos = _as_list(_read_json(gen).get("eos_token_id")) if gen.exists() else []
         sliding = c.get("sliding_window") if SLIDING in layer_types else None
-        return ModelConfig(
+        mla = _mla_fields(c, cfg_path, model_type, n_layers) if model_type in MLA_MODEL_TYPES else {}
+        return ModelConfig(**{**dict(
             family="gemma3" if gemma else "llama",
             model_type=model_type,
             vocab_size=int(c["vocab_size"]),
@@ -131,7 +160,7 @@ def read_hf_config(folder: Path) -> ModelConfig:
             eos_token_ids=eos or _as_list(c.get("eos_token_id")),
             pad_token_id=c.get("pad_token_id"),
             chat_template=read_chat_template(folder),
-        )
+        ), **mla})
     except ModelLoadError:
         raise
     except (KeyError, TypeError, ValueError) as e:

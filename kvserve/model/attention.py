@@ -35,6 +35,9 @@ class KVCache:
     to one group at a time, and its slots in tensor j hold that group's j-th layer. With one
     group this is one tensor per layer.
 
+    `v_head_dim` (default head_dim) sets V's width apart: MLA (kvserve/model/mla.py) keeps its
+    latent and RoPE key in K and passes 0, a V of no width.
+
     `kv_dtype` "int8" / "fp8" (e4m3) store codes with a per-(token, head) fp32 scale
     (`k_scale`, `v_scale` [num_slots, KVH, 1]): `write` quantizes, `read` dequantizes to the
     compute dtype. "auto" stores `dtype` itself (then `read` is a plain gather).
@@ -50,6 +53,7 @@ class KVCache:
         device: torch.device | str = "cpu",
         layer_groups: Sequence[Sequence[int]] | None = None,
         kv_dtype: str = "auto",
+        v_head_dim: int | None = None,
     ):
         if kv_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_dtype!r}")
@@ -58,12 +62,13 @@ class KVCache:
         if any(len(g) != size for g in groups) or sorted(i for g in groups for i in g) != list(range(num_layers)):
             raise ValueError(f"layer groups {groups} must be of equal size and cover layers 0..{num_layers - 1} once")
         shape = (num_slots, num_kv_heads, head_dim)
+        v_shape = (num_slots, num_kv_heads, head_dim if v_head_dim is None else v_head_dim)
         self.dtype = dtype  # what attention computes in (and `read` returns)
         self.kv_dtype = kv_dtype
         self.quantized = kv_dtype in KV_QUANT
         store, self._qmax = KV_QUANT[kv_dtype] if self.quantized else (dtype, 0.0)
         self.k = [torch.zeros(shape, dtype=store, device=device) for _ in range(size)]
-        self.v = [torch.zeros(shape, dtype=store, device=device) for _ in range(size)]
+        self.v = [torch.zeros(v_shape, dtype=store, device=device) for _ in range(size)]
         scale_shape = (num_slots, num_kv_heads, 1)
         n_scales = size if self.quantized else 0
         self.k_scale = [torch.zeros(scale_shape, dtype=torch.float32, device=device) for _ in range(n_scales)]
@@ -74,11 +79,13 @@ class KVCache:
         self._where = {layer: (j, g) for g, group in enumerate(groups) for j, layer in enumerate(group)}
 
     @staticmethod
-    def bytes_per_token_head(head_dim: int, dtype: torch.dtype, kv_dtype: str = "auto") -> int:
+    def bytes_per_token_head(head_dim: int, dtype: torch.dtype, kv_dtype: str = "auto",
+                             v_head_dim: int | None = None) -> int:
         """Bytes of K plus V for one token of one KV head of one layer (scales included)."""
+        width = head_dim + (head_dim if v_head_dim is None else v_head_dim)
         if kv_dtype in KV_QUANT:
-            return 2 * (head_dim * KV_QUANT[kv_dtype][0].itemsize + 4)
-        return 2 * head_dim * dtype.itemsize
+            return width * KV_QUANT[kv_dtype][0].itemsize + 2 * 4
+        return width * dtype.itemsize
 
     @property
     def nbytes(self) -> int:

@@ -31,7 +31,7 @@ class RopeConfig:
 
 @dataclass
 class ModelConfig:
-    family: str  # "gemma3" or "llama" (llama, mistral, qwen2, qwen3 share one implementation)
+    family: str  # "gemma3", "llama" (llama, mistral, qwen2, qwen3 share one implementation) or "deepseek"
     model_type: str  # as the source called it, for messages
     vocab_size: int
     hidden_size: int
@@ -58,6 +58,15 @@ class ModelConfig:
     pad_token_id: int | None = None
     add_bos_token: bool = True
     chat_template: str | None = None
+    # MLA (DeepSeek-V2/V3, kvserve/model/mla.py), set when kv_lora_rank is: the pool caches a
+    # latent of kv_lora_rank (d_c) plus one shared RoPE key of qk_rope_head_dim per token and
+    # layer. Then num_kv_heads is 1 and head_dim is qk_rope_head_dim (the rotary width).
+    kv_lora_rank: int | None = None
+    q_lora_rank: int | None = None  # None: a plain q_proj
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # rotary pairs (x0, x1), (x2, x3), ... (DeepSeek) instead of halves
 
     def __post_init__(self) -> None:
         if len(self.layer_types) != self.num_layers:
@@ -76,6 +85,18 @@ class ModelConfig:
                 f"num_heads ({self.num_heads}) is not a multiple of num_kv_heads ({self.num_kv_heads})"
             )
 
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank is not None
+
+    @property
+    def kv_cache_layout(self) -> tuple[int, int, int]:
+        """(heads, K width, V width) of one token of one layer in the KV pool: MLA stores
+        [c_kv | k_pe] as one K "head" and no V."""
+        if self.mla:
+            return 1, self.kv_lora_rank + self.qk_rope_head_dim, 0
+        return self.num_kv_heads, self.head_dim, self.head_dim
+
     def window(self, layer: int) -> int | None:
         """Tokens a query at this layer may see (itself included), None for full attention."""
         return self.sliding_window if self.layer_types[layer] == SLIDING else None
@@ -86,12 +107,19 @@ class ModelConfig:
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
         per_layer = d * (q + 2 * kv) + q * d + 3 * d * f
+        if self.mla:
+            h, qk = self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim
+            q_params = d * h * qk if self.q_lora_rank is None else self.q_lora_rank * (d + h * qk)
+            kv_params = d * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank * h * (
+                self.qk_nope_head_dim + self.v_head_dim)
+            per_layer = q_params + kv_params + h * self.v_head_dim * d + 3 * d * f
         head = 0 if self.tie_word_embeddings else v * d
         return v * d + head + self.num_layers * per_layer
 
     def kv_bytes_per_token(self, bytes_per_element: int = 4) -> int:
         """K and V for one token in every layer (no sliding-window savings)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
+        heads, k_dim, v_dim = self.kv_cache_layout
+        return self.num_layers * heads * (k_dim + v_dim) * bytes_per_element
 
 
 @dataclass(frozen=True)
