@@ -101,6 +101,18 @@ def _add_quantize_parser(sub) -> None:
     add_quantize_parser(sub)
 
 
+def _add_prune_parser(sub) -> None:
+    from kvserve.prune.cli import add_prune_parser
+
+    add_prune_parser(sub)
+
+
+def _add_distill_parser(sub) -> None:
+    from kvserve.train.cli import add_distill_parser
+
+    add_distill_parser(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description="A small LLM inference engine.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -113,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval_parser(sub)
     _add_roofline_parser(sub)
     _add_quantize_parser(sub)
+    _add_prune_parser(sub)
+    _add_distill_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     tp = bench.add_parser("throughput", help="offline throughput on a random workload (optionally vs HF)")
@@ -284,6 +298,18 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_prune(args: argparse.Namespace) -> int:
+    from kvserve.prune.cli import run
+
+    return run(args)
+
+
+def cmd_distill(args: argparse.Namespace) -> int:
+    from kvserve.train.cli import run
+
+    return run(args)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvserve.config import EngineConfig
     from kvserve.server.launch import ServeOptions, serve
@@ -307,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="kvserve: %(message)s", stream=sys.stderr)
     try:
         commands = {"generate": cmd_generate, "bench": cmd_bench, "serve": cmd_serve, "eval": cmd_eval,
-                    "roofline": cmd_roofline, "quantize": cmd_quantize}
+                    "roofline": cmd_roofline, "quantize": cmd_quantize,
+                    "prune": cmd_prune, "distill": cmd_distill}
         return commands[args.command](args)
     except ValueError as e:  # bad input (ModelLoadError is a ValueError): a message, no traceback
         print(f"kvserve: error: {e}", file=sys.stderr)

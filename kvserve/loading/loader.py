@@ -121,8 +121,11 @@ def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "floa
         cfg = read_hf_config(path)
         from kvserve.quant.io import read_quantization_config
 
+        from kvserve.prune.sparse24 import read_sparsity_config
+
         quantized = read_quantization_config(path) is not None
-        sd = None if quantized else hf_state_dict(path, cfg)
+        sparse = not quantized and read_sparsity_config(path) is not None
+        sd = None if quantized or sparse else hf_state_dict(path, cfg)
         tok_file = path / "tokenizer.json"
     elif path.suffix == ".gguf":
         cfg, weights, tok_file = load_gguf(path)
@@ -137,7 +140,11 @@ def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "floa
     if not tok_file.exists():
         raise ModelLoadError(tok_file, "tokenizer.json not found")
     tokenizer = Tokenizer.from_file(tok_file, cfg.eos_token_ids, cfg.bos_token_id)
-    if sd is None:  # a folder written by kvserve.quant.io.save_quantized
+    if path.is_dir() and sparse:  # an N:M-compressed folder (kvserve.prune.sparse24.save_compressed)
+        from kvserve.prune.sparse24 import load_sparse_model
+
+        net = load_sparse_model(path, cfg, torch_dtype, device)
+    elif sd is None:  # a folder written by kvserve.quant.io.save_quantized
         from kvserve.quant.io import load_quantized_model
 
         net = load_quantized_model(path, cfg, torch_dtype, device)

@@ -1,0 +1,305 @@
+"""N:M compressed storage: `SparseNMLinear` and folders of N:M-compressed models.
+
+A linear layer whose weight W [N, K] has at most n non-zeros in every group of m consecutive
+inputs of a row (2:4, 4:8) is stored as
+
+    values   [N, K * n / m]  the n kept weights of each group, in input order (a group with
+                             fewer than n non-zeros stores some zeros, so the count is fixed);
+    indices  uint8 [N, ceil(K * n / m * b / 8)]  the position (0..m-1) of each kept weight in
+                             its group, b = ceil(log2 m) bits each (2 for 2:4, 3 for 4:8), packed
+                             little end first along the row (4 per byte at 2 bits; at 3 bits
+                             a code may straddle two bytes);
+
+so a 2:4 fp32 layer takes 1/2 of the values plus 1/16 of the dense bytes in indices, and
+`dense_weight()` rebuilds W exactly (bit for bit: values are copied, never recomputed).
+
+Forward: on CUDA with a 2:4 layer in float16 / bfloat16, PyTorch's semi-structured sparse
+tensors (`torch.sparse.to_sparse_semi_structured`, cuSPARSELt / CUTLASS) when this build has
+them, converted once and cached. Everywhere else (CPU, 4:8, fp32) a DENSE FALLBACK: the weight
+is rebuilt from values + indices on every call and multiplied densely. That is exact but not
+faster than the dense model (it saves memory, not time); a warning is logged once per process.
+
+Folders: `save_compressed(model, out_dir, pattern)` writes an HF-style folder (the same
+config.json / tokenizer files as `save_model`) where each N:M linear `P` is stored as
+`P.weight_values`, `P.weight_indices` (uint8) and `P.weight_shape` (int64 [2]) and listed in
+config.json's
+
+    "sparsity_config": {"format": "kvserve-sparse-nm", "sparsity_structure": "2:4",
+                        "index_bits": 2, "targets": ["model.layers.0.mlp.down_proj", ...],
+                        "kvserve_format_version": 1}
+
+(compressed-tensors calls its 2:4 layout "sparse-24-bitmask"; ours is a different layout, so
+it has its own name). `load_model(DIR)` sees the `sparsity_config` and builds SparseNMLinear
+modules for the targets (`load_sparse_model`).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.prune.masks import is_nm, parse_pattern
+
+log = logging.getLogger(__name__)
+
+FORMAT = "kvserve-sparse-nm"
+FORMAT_VERSION = 1
+_warned_fallback = False
+
+
+def index_bits(m: int) -> int:
+    """Bits per in-group position: ceil(log2 m) (2 for m = 4, 3 for m = 8)."""
+    return max(1, math.ceil(math.log2(m)))
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes [R, C] (integers in [0, 2^bits)) -> uint8 [R, ceil(C * bits / 8)], little end first."""
+    r, c = codes.shape
+    shifts = torch.arange(bits, dtype=torch.int64)
+    stream = ((codes.long().unsqueeze(-1) >> shifts) & 1).reshape(r, c * bits)  # bit j of code i at i*bits + j
+    nbytes = -(-c * bits // 8)
+    stream = F.pad(stream, (0, nbytes * 8 - c * bits))
+    weights = (1 << torch.arange(8, dtype=torch.int64))
+    return (stream.reshape(r, nbytes, 8) * weights).sum(-1).to(torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """Inverse of pack_bits: uint8 [R, B] -> int64 [R, count]."""
+    r = packed.shape[0]
+    stream = (packed.long().unsqueeze(-1) >> torch.arange(8, dtype=torch.int64, device=packed.device)) & 1
+    stream = stream.reshape(r, -1)[:, :count * bits].reshape(r, count, bits)
+    return (stream << torch.arange(bits, dtype=torch.int64, device=packed.device)).sum(-1)
+
+
+def compress_nm(weight: torch.Tensor, n: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] with at most n non-zeros per group of m -> (values [N, K*n/m] in the
+    weight's dtype, packed indices uint8). ValueError when the weight is not N:M sparse."""
+    n, m = parse_pattern((n, m))
+    rows, k = weight.shape
+    if k % m:
+        raise ValueError(f"N:M {n}:{m}: the input size {k} is not a multiple of {m}")
+    if not is_nm(weight, n, m):
+        raise ValueError(f"weight {tuple(weight.shape)} is not {n}:{m} sparse (a group of {m} inputs has more "
+                         f"than {n} non-zeros)")
+    groups = weight.detach().reshape(rows, k // m, m)
+    # Non-zeros first, then the earliest zeros: exactly n positions per group, kept in input order.
+    pos = torch.arange(m, device=weight.device)
+    key = (groups != 0).to(torch.int64) * (2 * m) + (m - pos)
+    idx = torch.topk(key, n, dim=2).indices.sort(dim=2).values
+    values = torch.gather(groups, 2, idx).reshape(rows, k // m * n)
+    return values.contiguous(), pack_bits(idx.reshape(rows, -1).cpu(), index_bits(m)).to(weight.device)
+
+
+def decompress_nm(values: torch.Tensor, indices: torch.Tensor, n: int, m: int, in_features: int) -> torch.Tensor:
+    """(values [N, K*n/m], packed indices) -> the dense weight [N, K] (exactly the stored values)."""
+    rows = values.shape[0]
+    idx = unpack_bits(indices, index_bits(m), in_features // m * n).reshape(rows, in_features // m, n)
+    dense = torch.zeros(rows, in_features // m, m, dtype=values.dtype, device=values.device)
+    dense.scatter_(2, idx.to(values.device), values.reshape(rows, in_features // m, n))
+    return dense.reshape(rows, in_features)
+
+
+def semi_structured_available() -> bool:
+    return hasattr(torch, "sparse") and hasattr(torch.sparse, "to_sparse_semi_structured") and torch.cuda.is_available()
+
+
+class SparseNMLinear(nn.Module):
+    """y = x W^T + b with W [out, in] stored N:M-compressed (module docstring).
+
+    Buffers: weight_values [out, in*n/m], weight_indices uint8 (packed positions), bias [out] or
+    None. CPU (and any case the CUDA semi-structured path cannot take) runs a dense fallback:
+    the weight is rebuilt each call; logged once.
+    """
+
+    def __init__(self, in_features: int, out_features: int, n: int, m: int, values: torch.Tensor,
+                 indices: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.n, self.m = parse_pattern((n, m))
+        if in_features % self.m:
+            raise ValueError(f"SparseNMLinear: in_features {in_features} is not a multiple of {self.m}")
+        want = (out_features, in_features // self.m * self.n)
+        if tuple(values.shape) != want:
+            raise ValueError(f"SparseNMLinear: weight_values has shape {tuple(values.shape)}, expected {want}")
+        nbytes = -(-want[1] * index_bits(self.m) // 8)
+        if tuple(indices.shape) != (out_features, nbytes) or indices.dtype != torch.uint8:
+            raise ValueError(f"SparseNMLinear: weight_indices must be uint8 {(out_features, nbytes)}, got "
+                             f"{indices.dtype} {tuple(indices.shape)}")
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight_values", values)
+        self.register_buffer("weight_indices", indices)
+        self.register_buffer("bias", bias)
+        self._sparse = None  # cached semi-structured weight (CUDA)
+        self._sparse_key = None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, pattern: tuple[int, int] | str) -> "SparseNMLinear":
+        n, m = parse_pattern(pattern)
+        values, indices = compress_nm(linear.weight.detach(), n, m)
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(linear.in_features, linear.out_features, n, m, values, indices, bias)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The dense weight [out, in] (exactly the stored values at their positions)."""
+        return decompress_nm(self.weight_values, self.weight_indices, self.n, self.m, self.in_features)
+
+    def _semi_structured(self, dtype: torch.dtype):
+        """The cached CUDA semi-structured weight, or None when this case cannot use it."""
+        if not (self.weight_values.is_cuda and (self.n, self.m) == (2, 4) and dtype in (torch.float16, torch.bfloat16)
+                and semi_structured_available()):
+            return None
+        key = (dtype, self.weight_values.data_ptr())
+        if self._sparse_key != key:
+            try:
+                self._sparse = torch.sparse.to_sparse_semi_structured(self.dense_weight().to(dtype))
+            except (RuntimeError, ValueError) as e:  # shape / arch the kernels reject
+                log.warning("SparseNMLinear: semi-structured sparse unavailable (%s); dense fallback", e)
+                self._sparse = None
+            self._sparse_key = key
+        return self._sparse
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        sparse = self._semi_structured(x.dtype)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        if sparse is not None:
+            shape = x.shape
+            return F.linear(x.reshape(-1, shape[-1]), sparse, bias).reshape(*shape[:-1], self.out_features)
+        global _warned_fallback
+        if not _warned_fallback:
+            _warned_fallback = True
+            log.warning("SparseNMLinear %d:%d: dense fallback (weights rebuilt per call; no sparse speed-up on %s)",
+                        self.n, self.m, x.device.type)
+        return F.linear(x, self.dense_weight().to(x.dtype), bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, pattern={self.n}:{self.m}"
+
+
+def nm_linear_names(model: nn.Module, pattern: tuple[int, int]) -> list[str]:
+    """Names (ours, e.g. "layers.0.mlp.down_proj") of the block linears whose weight is N:M sparse."""
+    n, m = pattern
+    return [f"layers.{i}.{name}" for i, block in enumerate(model.layers) for name, mod in block.named_modules()
+            if isinstance(mod, nn.Linear) and is_nm(mod.weight, n, m)]
+
+
+def compress_model(model: nn.Module, pattern: tuple[int, int] | str) -> list[str]:
+    """Replace, in place, every N:M-sparse nn.Linear of model.layers by a SparseNMLinear -> names."""
+    nm = parse_pattern(pattern)
+    names = nm_linear_names(model, nm)
+    for name in names:
+        parent, _, leaf = name.rpartition(".")
+        holder = model.get_submodule(parent)
+        setattr(holder, leaf, SparseNMLinear.from_linear(getattr(holder, leaf), nm))
+    return names
+
+
+def save_compressed(model, out_dir: str | Path, pattern: tuple[int, int] | str, *, source=None,
+                    tokenizer=None, config=None) -> Path:
+    """Write a (LoadedModel or CausalLM) model whose block linears are N:M sparse (dense nn.Linear
+    with zeros, or SparseNMLinear) as an N:M-compressed folder (module docstring) -> out_dir.
+    Linears that are not N:M sparse are stored dense. ValueError if none is."""
+    from kvserve.loading.save import hf_config_dict, hf_name, unpack_loaded, write_folder
+
+    model, source, tokenizer = unpack_loaded(model, source, tokenizer, "save_compressed")
+    n, m = parse_pattern(pattern)
+    cfg = config if config is not None else model.config
+    targets: list[str] = []
+    tensors: dict[str, torch.Tensor] = {}
+    compressed: dict[str, SparseNMLinear] = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, SparseNMLinear):
+            if (mod.n, mod.m) != (n, m):
+                raise ValueError(f"save_compressed: {name} is {mod.n}:{mod.m}, the folder is {n}:{m}")
+            compressed[name] = mod
+    for name in nm_linear_names(model, (n, m)):
+        compressed[name] = SparseNMLinear.from_linear(model.get_submodule(name), (n, m))
+    if not compressed:
+        raise ValueError(f"save_compressed: no block linear of the model is {n}:{m} sparse (prune it first)")
+    skip = set()
+    for name, mod in compressed.items():
+        skip.update({f"{name}.{k}" for k in ("weight", "bias", "weight_values", "weight_indices")})
+        targets.append(hf_name(name))
+        tensors[hf_name(name) + ".weight_values"] = mod.weight_values.detach().contiguous()
+        tensors[hf_name(name) + ".weight_indices"] = mod.weight_indices.contiguous()
+        tensors[hf_name(name) + ".weight_shape"] = torch.tensor([mod.out_features, mod.in_features])
+        if mod.bias is not None:
+            tensors[hf_name(name) + ".bias"] = mod.bias.detach().contiguous()
+    for key, t in model.state_dict().items():
+        if key not in skip:
+            tensors[hf_name(key)] = t.detach().contiguous()
+    if cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    hf = hf_config_dict(cfg)
+    hf["sparsity_config"] = {"format": FORMAT, "sparsity_structure": f"{n}:{m}", "index_bits": index_bits(m),
+                             "targets": sorted(targets), "kvserve_format_version": FORMAT_VERSION}
+    return write_folder(Path(out_dir).expanduser(), cfg, hf, tensors, tokenizer, source, {"kvserve_sparse": FORMAT})
+
+
+def read_sparsity_config(folder: Path) -> dict | None:
+    """config.json's sparsity_config (None if absent), validated; ModelLoadError otherwise."""
+    from kvserve.loading.errors import ModelLoadError
+
+    cfg_path = Path(folder) / "config.json"
+    try:
+        c = json.loads(cfg_path.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(cfg_path, f"cannot read ({e})") from None
+    s = c.get("sparsity_config")
+    if s is None:
+        return None
+    if not isinstance(s, dict) or s.get("format") != FORMAT:
+        raise ModelLoadError(cfg_path, f"sparsity_config: unsupported format "
+                                       f"{s.get('format') if isinstance(s, dict) else s!r} (kvserve loads {FORMAT!r})")
+    if s.get("kvserve_format_version") != FORMAT_VERSION:
+        raise ModelLoadError(cfg_path, f"sparsity_config.kvserve_format_version {s.get('kvserve_format_version')!r} "
+                                       f"is not {FORMAT_VERSION}")
+    try:
+        parse_pattern(s.get("sparsity_structure"))
+    except ValueError as e:
+        raise ModelLoadError(cfg_path, f"sparsity_config.sparsity_structure: {e}") from None
+    targets = s.get("targets")
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise ModelLoadError(cfg_path, "sparsity_config.targets must be a list of module names")
+    return s
+
+
+def load_sparse_model(folder: Path, cfg, dtype: torch.dtype, device):
+    """Build the CausalLM of a folder written by save_compressed: SparseNMLinear for the targets,
+    the rest as an HF folder (called by kvserve.loading.load_model)."""
+    from safetensors import safe_open
+
+    from kvserve.loading.errors import ModelLoadError
+    from kvserve.loading.hf import safetensors_files
+    from kvserve.loading.loader import build_model
+
+    folder = Path(folder)
+    s = read_sparsity_config(folder)
+    n, m = parse_pattern(s["sparsity_structure"])
+    tensors: dict[str, torch.Tensor] = {}
+    for f in safetensors_files(folder):
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                tensors.update({k: h.get_tensor(k) for k in h.keys()})
+        except Exception as e:
+            raise ModelLoadError(f, f"not a readable safetensors file ({e})") from None
+    modules: dict[str, nn.Module] = {}
+    for target in s["targets"]:
+        keys = [f"{target}.weight_{x}" for x in ("values", "indices", "shape")]
+        missing = [k for k in keys if k not in tensors]
+        if missing:
+            raise ModelLoadError(folder, f"sparsity_config target {target!r}: tensors {missing} are missing")
+        values, indices, shape = (tensors.pop(k) for k in keys)
+        bias = tensors.pop(f"{target}.bias", None)
+        try:
+            mod = SparseNMLinear(int(shape[1]), int(shape[0]), n, m, values.to(dtype), indices,
+                                 None if bias is None else bias.to(dtype))
+        except ValueError as e:
+            raise ModelLoadError(folder, f"{target}: {e}") from None
+        modules[target.removeprefix("model.")] = mod
+    plain = {k.removeprefix("model."): v for k, v in tensors.items()
+             if not (k == "lm_head.weight" and cfg.tie_word_embeddings)}
+    return build_model(cfg, plain, dtype, device, folder, modules=modules)
