@@ -13,7 +13,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "d
 MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
@@ -78,7 +78,7 @@ def read_chat_template(folder: Path) -> str | None:
     tok_cfg = folder / "tokenizer_config.json"
     if not tok_cfg.is_file():
         return None
-    tpl = _read_json(tok_cfg).get("chat_template")
+    tpl = read_json(tok_cfg).get("chat_template")
     if isinstance(tpl, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
         named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, dict)}
         tpl = named.get("default") or next(iter(named.values()), None)
@@ -116,7 +116,7 @@ def _mla_fields(c: dict, cfg_path: Path, model_type: str, n_layers: int) -> dict
 
 def read_hf_config(folder: Path) -> ModelConfig:
     cfg_path = folder / "config.json"
-    c = _read_json(cfg_path)
+    c = read_json(cfg_path)
     model_type = c.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ModelLoadError(
@@ -130,7 +130,7 @@ def read_hf_config(folder: Path) -> ModelConfig:
         if gemma and c.get("attn_logit_softcapping"):
             raise ModelLoadError(cfg_path, "attn_logit_softcapping is not supported")
         gen = folder / "generation_config.json"
-        eos = _as_list(_read_json(gen).get("eos_token_id")) if gen.exists() else []
+        eos = _as_list(read_json(gen).get("eos_token_id")) if gen.exists() else []
         sliding = c.get("sliding_window") if SLIDING in layer_types else None
         mla = _mla_fields(c, cfg_path, model_type, n_layers) if model_type in MLA_MODEL_TYPES else {}
         return ModelConfig(**{**dict(
@@ -170,7 +170,7 @@ def read_hf_config(folder: Path) -> ModelConfig:
 def safetensors_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ModelLoadError(index, "no 'weight_map' object")
         files = sorted({folder / f for f in weight_map.values()})

@@ -34,7 +34,6 @@ modules for the targets (`load_sparse_model`).
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 from pathlib import Path
@@ -242,12 +241,10 @@ def save_compressed(model, out_dir: str | Path, pattern: tuple[int, int] | str, 
 def read_sparsity_config(folder: Path) -> dict | None:
     """config.json's sparsity_config (None if absent), validated; ModelLoadError otherwise."""
     from kvserve.loading.errors import ModelLoadError
+    from kvserve.loading.hf import read_json
 
     cfg_path = Path(folder) / "config.json"
-    try:
-        c = json.loads(cfg_path.read_text())
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(cfg_path, f"cannot read ({e})") from None
+    c = read_json(cfg_path)
     s = c.get("sparsity_config")
     if s is None:
         return None

@@ -65,7 +65,6 @@ a missing or corrupt tensor raises ModelLoadError naming the file and the field 
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -73,6 +72,7 @@ import torch
 from torch import nn
 
 from kvserve.loading.errors import ModelLoadError
+from kvserve.loading.hf import read_json
 from kvserve.loading.save import WEIGHTS_FILE, dtype_name, hf_config_dict, hf_name, unpack_loaded, write_folder
 from kvserve.quant.embedding import QuantEmbedding
 from kvserve.quant.linear import KERNELS, QuantLinear
@@ -229,10 +229,7 @@ def read_quantization_config(folder: Path) -> dict | None:
     """config.json's quantization_config (None if absent), validated as ours; ModelLoadError
     naming config.json and the field otherwise."""
     cfg_path = folder / "config.json"
-    try:
-        c = json.loads(cfg_path.read_text())
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(cfg_path, f"cannot read ({e})") from None
+    c = read_json(cfg_path)
     q = c.get("quantization_config")
     if q is None:
         return None
