@@ -107,6 +107,12 @@ def _add_prune_parser(sub) -> None:
     add_prune_parser(sub)
 
 
+def _add_convert_parser(sub) -> None:
+    from kvserve.convert.cli import add_convert_parser
+
+    add_convert_parser(sub)
+
+
 def _add_distill_parser(sub) -> None:
     from kvserve.train.cli import add_distill_parser
 
@@ -127,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_quantize_parser(sub)
     _add_prune_parser(sub)
     _add_distill_parser(sub)
+    _add_convert_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     tp = bench.add_parser("throughput", help="offline throughput on a random workload (optionally vs HF)")
@@ -304,6 +311,12 @@ def cmd_prune(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from kvserve.convert.cli import run
+
+    return run(args)
+
+
 def cmd_distill(args: argparse.Namespace) -> int:
     from kvserve.train.cli import run
 
@@ -334,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         commands = {"generate": cmd_generate, "bench": cmd_bench, "serve": cmd_serve, "eval": cmd_eval,
                     "roofline": cmd_roofline, "quantize": cmd_quantize,
-                    "prune": cmd_prune, "distill": cmd_distill}
+                    "prune": cmd_prune, "distill": cmd_distill, "convert": cmd_convert}
         return commands[args.command](args)
     except ValueError as e:  # bad input (ModelLoadError is a ValueError): a message, no traceback
         print(f"kvserve: error: {e}", file=sys.stderr)

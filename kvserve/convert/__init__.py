@@ -1,0 +1,5 @@
+"""Model transforms that shrink the KV cache: GQA / MQA conversion by mean-pooling K/V heads
+(`kvserve convert --kv-heads K`)."""
+from kvserve.convert.gqa import pool_kv_heads
+
+__all__ = ["pool_kv_heads"]
