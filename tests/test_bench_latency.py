@@ -30,6 +30,12 @@ def test_bytes_per_token_counts_weights_once_and_windowed_kv(tiny_gemma):
     # context 100: 4 sliding layers read 8 positions, 2 full layers read 100.
     expected_kv = per_layer_token * (4 * 8 + 2 * 100)
     assert decode_bytes_per_token(loaded, 100) == sum(params.values()) + expected_kv
+    # A quantized model: its packed codes and scales are buffers, counted as stored.
+    from kvserve.quant import quantize_model
+
+    report = quantize_model(loaded.model, "rtn", bits=8, granularity="channel", progress=False)
+    quantized = sum(params.values()) - report.bytes_before + report.bytes_after
+    assert weight_bytes(loaded.model) == quantized < sum(params.values())
 
 
 def test_bench_latency_cli(tiny_gemma, tmp_path, capsys):

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from kvserve.model.base import stored_weight_bytes
+
 
 @dataclass
 class LatencyResult:
@@ -33,13 +35,9 @@ class LatencyResult:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every distinct parameter tensor (a tied LM head counts once)."""
-    seen, total = set(), 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
-    return total
+    """Bytes of every distinct stored tensor (a tied LM head once; packed codes and scales of a
+    quantized model as stored)."""
+    return stored_weight_bytes(model)
 
 
 def decode_bytes_per_token(loaded, context_len: int) -> int:
@@ -47,7 +45,8 @@ def decode_bytes_per_token(loaded, context_len: int) -> int:
     sliding-window layer reads at most its window)."""
     cfg = loaded.config
     elem = next(loaded.model.parameters()).element_size()
-    per_layer = 2 * cfg.num_kv_heads * cfg.head_dim * elem
+    heads, k_dim, v_dim = cfg.kv_cache_layout  # MLA: one latent of d_c + d_rope, no V
+    per_layer = heads * (k_dim + v_dim) * elem
     kv = sum(per_layer * min(context_len, cfg.window(i) or context_len) for i in range(cfg.num_layers))
     return weight_bytes(loaded.model) + kv
 

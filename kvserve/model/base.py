@@ -73,3 +73,16 @@ class CausalLM(nn.Module):
         if cap:
             return torch.tanh(logits.float() / cap) * cap
         return logits.float() if upcast else logits
+
+
+def stored_weight_bytes(model: nn.Module) -> int:
+    """Bytes of every distinct stored tensor: parameters and persistent buffers (packed codes,
+    scales of quantized layers), a tied LM head once; non-persistent buffers (rotary tables) are
+    not weights."""
+    seen, total = set(), 0
+    for t in model.state_dict(keep_vars=True).values():
+        key = (t.data_ptr(), t.numel())
+        if t.numel() and key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total

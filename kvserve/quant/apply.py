@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from kvserve.model.base import stored_weight_bytes as model_weight_bytes  # noqa: F401  (the quant API name)
 from kvserve.quant.awq import AWQQuantizer
 from kvserve.quant.calibrate import Calibrator
 from kvserve.quant.embedding import QuantEmbedding
@@ -218,15 +219,3 @@ def _quantize_embedding(model: nn.Module, tied: bool, spec: QuantSpec, quantizer
     table, mse = quantize_linear(w, None, q_rtn, None, act, kernel)
     model.embed_tokens = QuantEmbedding(table, w.dtype, tied=False)
     return LayerReport("embed_tokens", tuple(w.shape), table.kernel, _tensor_bytes(w), table.weight_nbytes, mse)
-
-
-def model_weight_bytes(model: nn.Module) -> int:
-    """Bytes of every distinct stored tensor: parameters and persistent buffers (packed codes,
-    scales), a tied LM head once; non-persistent buffers (rotary tables) are not weights."""
-    seen, total = set(), 0
-    for t in model.state_dict(keep_vars=True).values():
-        key = (t.data_ptr(), t.numel())
-        if t.numel() and key not in seen:
-            seen.add(key)
-            total += t.numel() * t.element_size()
-    return total
