@@ -31,6 +31,7 @@ import time
 
 import torch
 from _common import machine, save_json
+from quant_rtn import PROMPTS
 
 from kvserve import LLM, SamplingParams
 from kvserve.eval.ppl import dataset_path, evaluate, tokenize_file
@@ -47,16 +48,6 @@ VARIANTS = {
     "depth-2": dict(drop_layers=2),
     "depth-4": dict(drop_layers=4),
 }
-PROMPTS = [
-    "The history of the Roman Empire",
-    "In mathematics, a prime number is",
-    "The best way to learn a new language is",
-    "Photosynthesis is the process by which",
-    "The first computers were",
-    "A recipe for a simple tomato soup:",
-    "The river flows through the valley and",
-    "Quantum mechanics describes",
-]
 
 
 def shape(cfg) -> str:
