@@ -136,13 +136,13 @@ def test_steps_from_tokens():
 
 
 def test_a_frozen_embedding_equal_to_the_teachers_is_shared(models):
-    from kvserve.train.distill import _share_frozen_embedding
+    from kvserve.train.distill import share_frozen_embedding
 
     teacher, student = load_model(models / "teacher"), load_model(models / "student")
     other = load_model(models / "student")
     with torch.no_grad():
         other.model.embed_tokens.weight[0, 0] += 1.0
-    assert not _share_frozen_embedding(teacher.model, other.model)
+    assert not share_frozen_embedding(teacher.model, other.model)
     assert other.model.embed_tokens.weight is not teacher.model.embed_tokens.weight
-    assert _share_frozen_embedding(teacher.model, student.model)
+    assert share_frozen_embedding(teacher.model, student.model)
     assert student.model.embed_tokens.weight is teacher.model.embed_tokens.weight

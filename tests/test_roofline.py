@@ -210,3 +210,35 @@ def test_cli_bad_flag_exits_naming_it(flag, capsys):
         main(["roofline", *flag])
     assert e.value.code == 2
     assert flag[0] in capsys.readouterr().err
+
+
+def test_cross_layer_sharing_halves_the_cache_per_attention_type():
+    l13 = MODELS["llama-2-13b"]
+    cla = replace(l13, kv_share=2)
+    assert rl.kv_bytes_per_sequence(cla, 1024) == 838_860_800 // 2
+    assert rl.max_batch(cla, hardware_preset("h100"), 1024) > 2 * rl.max_batch(l13, hardware_preset("h100"), 1024) - 2
+    # 20 of 40 layers lose k_proj and v_proj (MHA: 2 x 5120 x 5120 each)
+    assert rl.num_params(l13) - rl.num_params(cla) == 20 * 2 * 5120 * 5120
+    # Gemma 3 270M: runs per type, 15 sliding -> 8, 3 full -> 2 layers keep K/V
+    g = replace(MODELS["gemma-3-270m"], kv_share=2)
+    assert g.kv_layers == 10
+    assert rl.kv_bytes_per_token(g) == 10 * 2 * 256 * 2
+    assert any("CLA" in label for label, _ in rl.kv_variants(l13))
+
+
+def test_cla_folder_config_matches_the_measured_pool(tmp_path):
+    import json
+
+    from kvserve import LLM
+    from kvserve.analysis.presets import shape_from_hf_config
+    from kvserve.convert.cla import share_kv
+    from kvserve.loading import load_model
+    from kvserve.loading.save import save_model
+    from tests.tiny_models import make_model
+
+    make_model("gemma3", tmp_path / "g")
+    out = save_model(share_kv(load_model(tmp_path / "g"), 2), tmp_path / "cla")
+    shape = shape_from_hf_config(json.loads((out / "config.json").read_text()), "tiny-cla")
+    assert shape.kv_share == 2 and shape.kv_layers == 3
+    eng = LLM(str(out), kv_cache_gib=0.01, sliding_window_release=False).engine
+    assert rl.kv_bytes_per_token(replace(shape, kv_bytes=4.0)) == eng.kv_cache.nbytes / eng.kv_cache.num_slots

@@ -47,6 +47,8 @@ def add_roofline_parser(sub) -> None:
                    help="comma list of batch sizes (default: powers of 2 up to the first that does not fit)")
     p.add_argument("--kv-bits", type=positive_int, default=None, help="bits per cached element (default: --dtype-bytes)")
     p.add_argument("--kv-heads", type=positive_int, default=None, help="override the KV head count (GQA/MQA what-if)")
+    p.add_argument("--share-kv-every", type=positive_int, default=None, metavar="N",
+                   help="cross-layer KV sharing what-if: runs of N same-type layers cache one K/V")
     p.add_argument("--dtype-bytes", type=_positive_float, default=None,
                    help="bytes per weight/activation (default 2 = bf16; 4 = fp32 with --measure, as the CPU engine runs)")
     p.add_argument("--plot", default=None, metavar="DIR", help=f"write {', '.join(PLOTS)} here")
@@ -71,6 +73,10 @@ def _setup(args: argparse.Namespace) -> tuple[rl.ModelShape, rl.Hardware]:
         if model.heads % args.kv_heads:
             raise ValueError(f"--kv-heads {args.kv_heads} must divide the model's {model.heads} attention heads")
         model = replace(model, kv_heads=args.kv_heads)
+    if args.share_kv_every is not None:
+        if model.mla:
+            raise ValueError(f"--share-kv-every does not apply to {model.name}: it caches an MLA latent")
+        model = replace(model, kv_share=args.share_kv_every)
     return model, hw
 
 
@@ -288,7 +294,7 @@ def plot(model: rl.ModelShape, hw: rl.Hardware, seq_len: int, out_dir: str) -> l
     axt.set_yscale("log")
     axt.set_xlabel("batch (sequences); each curve ends at its largest batch that fits (dot)")
     axt.set_ylabel("decode throughput (output tokens/s)")
-    axt.set_title(f"Effect of GQA / MLA / KV bits\n{where}", fontsize=10)
+    axt.set_title(f"Effect of GQA / MLA / CLA / KV bits\n{where}", fontsize=10)
     axt.grid(alpha=0.3, which="both")
     if any(tops):
         axt.legend(fontsize=8)

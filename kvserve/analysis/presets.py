@@ -44,6 +44,14 @@ def hardware_preset(name: str) -> Hardware:
     return HARDWARE[key]
 
 
+def _kv_share(source) -> int:
+    """kvserve's cross-layer sharing (`kvserve_kv_source`, runs of N same-type layers written by
+    `kvserve convert --share-kv-every N`) as a run length: the most layers sharing one source."""
+    if not source:
+        return 1
+    return max(list(source).count(s) for s in set(source))
+
+
 def shape_from_hf_config(c: dict, name: str) -> ModelShape:
     """Map an HF config.json (Llama, Mistral, Qwen, Gemma 3, DeepSeek-V2/V3 MLA, Mixtral/Qwen MoE)
     onto a ModelShape. A multimodal config's `text_config` is used when present."""
@@ -73,6 +81,7 @@ def shape_from_hf_config(c: dict, name: str) -> ModelShape:
             expert_intermediate=int(c.get("moe_intermediate_size") or c["intermediate_size"]) if experts else 0,
             dense_layers=int(c.get("first_k_dense_replace") or 0) if experts else 0,
             norms_per_layer=4 if gemma else 2, qk_norm=gemma or model_type.startswith("qwen3"),
+            kv_share=_kv_share(c.get("kvserve_kv_source")),
         )
     except KeyError as e:
         raise ValueError(f"{name}: config lacks {e.args[0]!r}") from None
@@ -90,6 +99,7 @@ def shape_from_model_config(cfg, name: str) -> ModelShape:
         heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, vocab=cfg.vocab_size,
         tied_embeddings=cfg.tie_word_embeddings, sliding_window=cfg.sliding_window if n_sliding else None,
         sliding_layers=n_sliding, norms_per_layer=4 if cfg.family == "gemma3" else 2, qk_norm=cfg.qk_norm,
+        kv_share=_kv_share(cfg.kv_source),
     )
 
 

@@ -68,6 +68,10 @@ class ModelShape:
     dense_layers: int = 0
     norms_per_layer: int = 2  # RMSNorm vectors of `hidden` per layer (Gemma 3: 4)
     qk_norm: bool = False  # a head_dim norm on queries and on keys
+    # Cross-layer KV sharing (CLA): runs of kv_share layers of one attention type (full or
+    # sliding) use the first one's K/V, so ceil(n / kv_share) of each type's n layers cache K/V and
+    # project K/V (kvserve convert --share-kv-every). Every layer still reads a cache in attention.
+    kv_share: int = 1
 
     def __post_init__(self) -> None:
         for f in ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab"):
@@ -81,6 +85,8 @@ class ModelShape:
             raise ValueError(f"{self.name}: sliding_layers needs 0..layers layers and a sliding_window")
         if self.experts and not 0 < self.experts_per_token <= self.experts:
             raise ValueError(f"{self.name}: experts_per_token must be in 1..experts")
+        if self.kv_share < 1 or (self.kv_share > 1 and self.mla):
+            raise ValueError(f"{self.name}: kv_share must be >= 1 (and 1 for MLA), got {self.kv_share}")
 
     @property
     def mla(self) -> bool:
@@ -93,6 +99,16 @@ class ModelShape:
     @property
     def moe_layers(self) -> int:
         return self.layers - self.dense_layers if self.experts else 0
+
+    @property
+    def kv_layers(self) -> int:
+        """Layers that cache (and project) K/V: all of them unless kv_share > 1."""
+        return sum(_shared(self, n) for n in (self.layers - self.sliding_layers, self.sliding_layers))
+
+
+def _shared(m: ModelShape, n: int) -> int:
+    """Of n layers of one attention type, those that keep K/V under cross-layer sharing."""
+    return -(-n // m.kv_share)
 
 
 # --- sizes -------------------------------------------------------------------------------------
@@ -121,7 +137,9 @@ def num_params(m: ModelShape, active: bool = False) -> int:
              + (m.q_latent or 0))
     per_layer = attention_params(m) + norms
     embeddings = m.vocab * m.hidden * (1 if m.tied_embeddings else 2)
-    return (m.layers * per_layer + (m.layers - m.moe_layers) * dense_mlp + m.moe_layers * moe_mlp
+    # a layer reusing another's K/V has no k/v projections (nor a key norm)
+    no_kv = (m.layers - m.kv_layers) * (2 * m.hidden * m.kv_heads * m.head_dim + (m.head_dim if m.qk_norm else 0))
+    return (m.layers * per_layer - no_kv + (m.layers - m.moe_layers) * dense_mlp + m.moe_layers * moe_mlp
             + embeddings + m.hidden)
 
 
@@ -136,8 +154,8 @@ def kv_elements_per_token_layer(m: ModelShape) -> int:
 
 
 def kv_bytes_per_token(m: ModelShape) -> float:
-    """KV bytes one token adds in every layer (sliding windows not counted)."""
-    return kv_elements_per_token_layer(m) * m.layers * m.kv_bytes
+    """KV bytes one token adds in every layer that caches K/V (sliding windows not counted)."""
+    return kv_elements_per_token_layer(m) * m.kv_layers * m.kv_bytes
 
 
 def _layer_contexts(m: ModelShape, context: int) -> list[tuple[int, int]]:
@@ -153,7 +171,7 @@ def kv_bytes_per_sequence(m: ModelShape, seq_len: int) -> float:
     """KV bytes of one sequence of `seq_len` tokens (2 · bytes · S · K · H · L without MLA or
     sliding windows)."""
     per = kv_elements_per_token_layer(m) * m.kv_bytes
-    return sum(n * s * per for n, s in _layer_contexts(m, seq_len))
+    return sum(_shared(m, n) * s * per for n, s in _layer_contexts(m, seq_len))
 
 
 def memory(m: ModelShape, batch: int, seq_len: int) -> float:
@@ -248,13 +266,15 @@ def step_costs(m: ModelShape, batch: int, new_tokens: int, context: int) -> list
         if m.q_latent:
             qkv = qkv + matmul("qkv_proj", tokens, m.q_latent, q_out, w)
     else:
-        qkv = matmul("qkv_proj", tokens, d, (n + 2 * m.kv_heads) * h, w)
+        qkv = matmul("qkv_proj", tokens, d, (n + 2 * m.kv_heads) * h, w) * m.kv_layers
+        if m.kv_layers < m.layers:  # layers reusing K/V project queries only
+            qkv = qkv + matmul("qkv_proj", tokens, d, n * h, w) * (m.layers - m.kv_layers)
     dense_mlp = matmul("mlp", tokens, d, m.intermediate, w) * m.mlp_matrices
     mlp = dense_mlp * (m.layers - m.moe_layers)
     if m.moe_layers:
         mlp = mlp + _moe_mlp(m, tokens) * m.moe_layers
     return [
-        qkv * m.layers,
+        qkv if not m.mla else qkv * m.layers,
         attention_core(m, batch, new_tokens, context),
         matmul("out_proj", tokens, n * h, d, w) * m.layers,
         mlp,
@@ -329,7 +349,8 @@ def attention_kind(m: ModelShape) -> str:
 
 def kv_variants(m: ModelShape) -> list[tuple[str, ModelShape]]:
     """The model as given (labelled "..., as configured") next to MHA, GQA (8 KV heads), MQA,
-    MLA (d_c = 4·H, d_rope = H/2 as in DeepSeek-V2) and 8- and 4-bit KV caches, no duplicates."""
+    MLA (d_c = 4·H, d_rope = H/2 as in DeepSeek-V2), K/V shared by pairs of layers (CLA) and 8-
+    and 4-bit KV caches, no duplicates."""
     plain = replace(m, kv_latent=None, rope_dim=0) if m.mla else m
     cands = [(f"{attention_kind(m)}, as configured", m), (f"MHA (K={m.heads})", replace(plain, kv_heads=m.heads))]
     if m.heads % 8 == 0 and m.heads > 8:
@@ -338,6 +359,8 @@ def kv_variants(m: ModelShape) -> list[tuple[str, ModelShape]]:
     if not m.mla:
         cands.append((f"MLA (d_c={4 * m.head_dim})",
                       replace(m, kv_heads=m.heads, kv_latent=4 * m.head_dim, rope_dim=m.head_dim // 2)))
+    if not m.mla and m.kv_share == 1:
+        cands.append((f"{attention_kind(m)}, K/V shared by 2 layers (CLA)", replace(m, kv_share=2)))
     for bits in (8, 4):
         if bits / 8 < m.kv_bytes:
             cands.append((f"{attention_kind(m)}, {bits}-bit KV", replace(m, kv_bytes=bits / 8)))

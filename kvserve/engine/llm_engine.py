@@ -66,6 +66,7 @@ class LLMEngine:
         self.model_config = mc = self.loaded.model.config
         self.tokenizer = self.loaded.tokenizer
         self._check_mla()
+        self._check_cla()
         self.stream_policies = self._stream_policies()
         self.max_model_len = self._max_model_len()
         kv_dtype = next(self.loaded.model.parameters()).dtype
@@ -78,7 +79,7 @@ class LLMEngine:
         self.num_blocks = max(len(self.layer_groups), int(cfg.kv_cache_gib * 2**30 // self.page_bytes))  # pages
         self.kv_cache = KVCache(mc.num_layers, self.num_blocks * cfg.block_size, heads, k_dim,
                                 kv_dtype, cfg.device, layer_groups=[g.layers for g in self.layer_groups],
-                                kv_dtype=cfg.kv_cache_dtype, v_head_dim=v_dim)
+                                kv_dtype=cfg.kv_cache_dtype, v_head_dim=v_dim, kv_source=mc.kv_source)
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, cfg.block_size, cfg.device,
                                   stream_policies=self.stream_policies)
         self.block_manager = BlockManager(self.num_blocks, cfg.block_size,
@@ -111,6 +112,12 @@ class LLMEngine:
                              f"({mc.model_type}): use 'auto'")
         if cfg.streaming_window is not None:
             raise ValueError(f"streaming_window is not supported for MLA models ({mc.model_type})")
+
+    def _check_cla(self) -> None:
+        """StreamingLLM keeps a per-layer rank-rotated cache; a layer reusing another's K/V has none."""
+        if self.model_config.kv_source is not None and self.config.streaming_window is not None:
+            raise ValueError("streaming_window is not supported for models with cross-layer KV sharing "
+                             "(config kvserve_kv_source)")
 
     def _stream_policies(self) -> list[StreamPolicy] | None:
         """StreamingLLM's per-layer policies (None when off). The ranks given to cached keys
@@ -395,9 +402,11 @@ class LLMEngine:
         heads, k_dim, v_dim = dc.kv_cache_layout
         if self.kv_cache.num_groups > 1:  # the self draft: the target's layers, so its layer groups too
             cache = KVCache(dc.num_layers, self.kv_cache.num_slots, heads, k_dim, kv_dtype, cfg.device,
-                            layer_groups=[g.layers for g in self.layer_groups], v_head_dim=v_dim)
+                            layer_groups=[g.layers for g in self.layer_groups], v_head_dim=v_dim,
+                            kv_source=dc.kv_source)
         else:
-            cache = KVCache(num_layers, self.kv_cache.num_slots, heads, k_dim, kv_dtype, cfg.device, v_head_dim=v_dim)
+            cache = KVCache(num_layers, self.kv_cache.num_slots, heads, k_dim, kv_dtype, cfg.device, v_head_dim=v_dim,
+                            kv_source=dc.kv_source)
         log.info("%s: its own KV pool %.2f GiB (same block tables as the target)", what, cache.nbytes / 2**30)
         self.draft_runner = ModelRunner(draft, cache, cfg.block_size, cfg.device)
         return ModelDrafter(self.draft_runner, num_layers=exit_at, separate_cache=True)

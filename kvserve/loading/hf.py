@@ -114,6 +114,17 @@ def _mla_fields(c: dict, cfg_path: Path, model_type: str, n_layers: int) -> dict
                 qkv_bias=bool(c.get("attention_bias", False)), o_bias=bool(c.get("attention_bias", False)))
 
 
+def _kv_source(c: dict, cfg_path: Path) -> tuple[int, ...] | None:
+    """kvserve's cross-layer KV sharing (`kvserve convert --share-kv-every`): per layer, the layer
+    whose K/V it attends over."""
+    src = c.get("kvserve_kv_source")
+    if src is None:
+        return None
+    if not isinstance(src, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in src):
+        raise ModelLoadError(cfg_path, f"kvserve_kv_source must be a list of layer indices, got {src!r}")
+    return tuple(src)
+
+
 def read_hf_config(folder: Path) -> ModelConfig:
     cfg_path = folder / "config.json"
     c = read_json(cfg_path)
@@ -160,6 +171,7 @@ def read_hf_config(folder: Path) -> ModelConfig:
             eos_token_ids=eos or _as_list(c.get("eos_token_id")),
             pad_token_id=c.get("pad_token_id"),
             chat_template=read_chat_template(folder),
+            kv_source=_kv_source(c, cfg_path),
         ), **mla})
     except ModelLoadError:
         raise

@@ -60,6 +60,8 @@ def hf_config_dict(cfg) -> dict:
          "eos_token_id": list(cfg.eos_token_ids), "pad_token_id": cfg.pad_token_id, "torch_dtype": "float32"}
     if SLIDING in cfg.layer_types:
         d["sliding_window"] = cfg.sliding_window
+    if cfg.kv_source is not None:  # kvserve's own key: transformers has no cross-layer KV sharing
+        d["kvserve_kv_source"] = list(cfg.kv_source)
     if gemma:
         qpas = cfg.attn_scale ** -2
         d["query_pre_attn_scalar"] = round(qpas) if abs(qpas - round(qpas)) < 1e-6 else qpas

@@ -35,6 +35,9 @@ class KVCache:
     to one group at a time, and its slots in tensor j hold that group's j-th layer. With one
     group this is one tensor per layer.
 
+    `kv_source` (cross-layer KV sharing, ModelConfig.kv_source): only the layers that compute
+    K/V have storage; a layer reusing another's is an alias of its source (`layer`, `read`).
+
     `v_head_dim` (default head_dim) sets V's width apart: MLA (kvserve/model/mla.py) keeps its
     latent and RoPE key in K and passes 0, a V of no width.
 
@@ -54,13 +57,17 @@ class KVCache:
         layer_groups: Sequence[Sequence[int]] | None = None,
         kv_dtype: str = "auto",
         v_head_dim: int | None = None,
+        kv_source: Sequence[int] | None = None,
     ):
         if kv_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_dtype!r}")
-        groups = [list(range(num_layers))] if layer_groups is None else [list(g) for g in layer_groups]
+        # Cross-layer KV sharing: only layers i with kv_source[i] == i store K/V; the others alias them.
+        source = list(range(num_layers)) if kv_source is None else list(kv_source)[:num_layers]
+        stored = [i for i, s in enumerate(source) if s == i]
+        groups = [stored] if layer_groups is None else [list(g) for g in layer_groups]
         size = len(groups[0])
-        if any(len(g) != size for g in groups) or sorted(i for g in groups for i in g) != list(range(num_layers)):
-            raise ValueError(f"layer groups {groups} must be of equal size and cover layers 0..{num_layers - 1} once")
+        if any(len(g) != size for g in groups) or sorted(i for g in groups for i in g) != stored:
+            raise ValueError(f"layer groups {groups} must be of equal size and cover the layers {stored} once")
         shape = (num_slots, num_kv_heads, head_dim)
         v_shape = (num_slots, num_kv_heads, head_dim if v_head_dim is None else v_head_dim)
         self.dtype = dtype  # what attention computes in (and `read` returns)
@@ -77,6 +84,7 @@ class KVCache:
         self.num_groups = len(groups)
         # layer -> (storage index j, group g)
         self._where = {layer: (j, g) for g, group in enumerate(groups) for j, layer in enumerate(group)}
+        self._where.update({i: self._where[s] for i, s in enumerate(source) if s != i})
 
     @staticmethod
     def bytes_per_token_head(head_dim: int, dtype: torch.dtype, kv_dtype: str = "auto",
@@ -252,6 +260,9 @@ class AttentionMetadata:
     # slots, decode block tables) is groups[g], and this object's own fields repeat group 0's.
     # Empty: this object serves every layer.
     groups: list["AttentionMetadata"] = field(default_factory=list)
+    # Cross-layer KV sharing with `custom`: a source layer's pre-RoPE (k, v) of this forward pass,
+    # by layer, for the layers that reuse them (the paged path reads them from the pool instead).
+    shared_kv: dict = field(default_factory=dict)
 
     def for_group(self, group: int) -> "AttentionMetadata":
         return self.groups[group] if self.groups else self
@@ -268,14 +279,20 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.scale = cfg.attn_scale
         self.window = cfg.window(layer)
+        # Cross-layer KV sharing: a reusing layer reads the K/V its source layer (earlier in the
+        # same forward pass) wrote, and has no K/V projections of its own.
+        self.kv_source = cfg.kv_source[layer] if cfg.kv_source is not None else layer
+        self.computes_kv = self.kv_source == layer
+        self.shares_kv = cfg.kv_source is not None and any(
+            s == layer and i != layer for i, s in enumerate(cfg.kv_source))
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, q_size, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias) if self.computes_kv else None
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias) if self.computes_kv else None
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, offset=gemma_norm)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, offset=gemma_norm)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, offset=gemma_norm) if self.computes_kv else None
         else:
             self.q_norm = self.k_norm = None
 
@@ -289,24 +306,32 @@ class Attention(nn.Module):
         """x [T, hidden] -> [T, hidden]."""
         T = x.shape[0]
         q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q = self.q_norm(q)
+        if self.computes_kv:
+            k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
+            v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+            if self.k_norm is not None:
+                k = self.k_norm(k)
+            if self.shares_kv and meta.custom is not None:
+                meta.shared_kv[self.layer] = (k, v)  # pre-RoPE, for the custom hook of the reusing layers
         if meta.custom is not None:  # a caller-owned cache and rotation (see AttentionMetadata)
+            if not self.computes_kv:
+                k, v = meta.shared_kv[self.kv_source]
             return self.o_proj(meta.custom(self, q, k, v).reshape(T, self.num_heads * self.head_dim))
         cos, sin = cos_sin
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = apply_rope(q, cos, sin)
 
-        meta = meta.for_group(kv_cache.group_of(self.layer))
-        kv_cache.write(self.layer, meta.slot_mapping, k, v)
+        meta = meta.for_group(kv_cache.group_of(self.kv_source))
+        if self.computes_kv:  # a reusing layer reads its source's pages, written earlier in this pass
+            kv_cache.write(self.layer, meta.slot_mapping, apply_rope(k, cos, sin), v)
 
         out = torch.empty_like(q)
         if meta.decode is not None:
             self._decode(q, kv_cache, meta.decode, out)
         for s in meta.seqs:
             slots, mask = s.view(self.window)
-            ks, vs = kv_cache.read(self.layer, slots)
+            ks, vs = kv_cache.read(self.kv_source, slots)
             ks, vs = ks.transpose(0, 1).to(q.dtype), vs.transpose(0, 1).to(q.dtype)  # [KVH, n_kv, D]
             out[s.q_start : s.q_start + s.q_len] = self._attend(q[s.q_start : s.q_start + s.q_len], ks, vs, mask)
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
@@ -332,7 +357,7 @@ class Attention(nn.Module):
     def _decode(self, q: torch.Tensor, kv_cache: KVCache, batch: DecodeBatch, out: torch.Tensor) -> None:
         """Attention for the decode rows of q [T, H, D], written into out [T, H, D]."""
         if not kv_cache.quantized:  # the kernel reads the pool in place (fp32 / bf16 only)
-            k_pool, v_pool, _ = kv_cache.layer(self.layer)
+            k_pool, v_pool, _ = kv_cache.layer(self.kv_source)
             o = paged_decode_attention(q[batch.rows], k_pool, v_pool, batch.block_tables, batch.starts(self.window),
                                        batch.lens, batch.block_size, self.scale, batch.max_len)
             if o is not None:
@@ -341,7 +366,7 @@ class Attention(nn.Module):
         G = self.num_heads // self.num_kv_heads
         for rows, slots, mask in batch.groups(self.window):
             B, L = slots.shape
-            k, v = kv_cache.read(self.layer, slots)  # [B, L, KVH, D]
+            k, v = kv_cache.read(self.kv_source, slots)  # [B, L, KVH, D]
             k, v = k.transpose(1, 2), v.transpose(1, 2)
             # GQA heads as query rows of their K/V head: no repeated K/V.
             qg = q[rows].view(B, self.num_kv_heads, G, self.head_dim)

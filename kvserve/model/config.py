@@ -67,6 +67,10 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False  # rotary pairs (x0, x1), (x2, x3), ... (DeepSeek) instead of halves
+    # Cross-layer KV sharing (CLA, kvserve/convert/cla.py): kv_source[i] is the layer whose K/V layer i
+    # attends over (i itself when it computes its own). A reusing layer has no k_proj / v_proj and
+    # the pool holds no K/V for it. None: every layer computes its own.
+    kv_source: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if len(self.layer_types) != self.num_layers:
@@ -84,6 +88,32 @@ class ModelConfig:
             raise ValueError(
                 f"num_heads ({self.num_heads}) is not a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        if self.kv_source is not None:
+            self.kv_source = tuple(int(s) for s in self.kv_source)
+            self._check_kv_source()
+
+    def _check_kv_source(self) -> None:
+        src = self.kv_source
+        if len(src) != self.num_layers:
+            raise ValueError(f"kv_source has {len(src)} entries for {self.num_layers} layers")
+        if self.mla:
+            raise ValueError("kv_source (cross-layer KV sharing) is not supported for MLA models")
+        for i, s in enumerate(src):
+            if not 0 <= s <= i or src[s] != s:
+                raise ValueError(f"kv_source[{i}] = {s}: a layer reuses an earlier (or its own) layer that "
+                                 f"computes its K/V")
+            if self.layer_types[s] != self.layer_types[i]:
+                raise ValueError(f"kv_source[{i}] = {s}: layer {i} ({self.layer_types[i]}) cannot reuse the K/V "
+                                 f"of layer {s} ({self.layer_types[s]}): sharing needs the same attention type")
+
+    def computes_kv(self, layer: int) -> bool:
+        """Whether the layer projects its own K/V (False: it reuses kv_source[layer]'s)."""
+        return self.kv_source is None or self.kv_source[layer] == layer
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers whose K/V the pool stores (all of them without cross-layer sharing)."""
+        return tuple(i for i in range(self.num_layers) if self.computes_kv(i))
 
     @property
     def mla(self) -> bool:
@@ -114,12 +144,13 @@ class ModelConfig:
                 self.qk_nope_head_dim + self.v_head_dim)
             per_layer = q_params + kv_params + h * self.v_head_dim * d + 3 * d * f
         head = 0 if self.tie_word_embeddings else v * d
-        return v * d + head + self.num_layers * per_layer
+        reusers = self.num_layers - len(self.kv_layers)  # no k_proj / v_proj (CLA)
+        return v * d + head + self.num_layers * per_layer - reusers * 2 * d * kv
 
     def kv_bytes_per_token(self, bytes_per_element: int = 4) -> int:
-        """K and V for one token in every layer (no sliding-window savings)."""
+        """K and V for one token in every layer that stores them (no sliding-window savings)."""
         heads, k_dim, v_dim = self.kv_cache_layout
-        return self.num_layers * heads * (k_dim + v_dim) * bytes_per_element
+        return len(self.kv_layers) * heads * (k_dim + v_dim) * bytes_per_element
 
 
 @dataclass(frozen=True)
@@ -138,9 +169,10 @@ def kv_layer_groups(cfg: ModelConfig, release_sliding: bool = True) -> list[Laye
     layer (a model whose layers all slide keeps window W, so its old blocks can go). Otherwise
     the group size is gcd(#full, #sliding) layers, so pages are the same size in every group and
     one pool serves all (Gemma 3 270M: 3 full + 15 sliding layers -> 1 full and 5 sliding groups
-    of 3 layers). Sliding layers are grouped in order.
+    of 3 layers). Sliding layers are grouped in order. Only layers that store K/V take part (a
+    layer reusing another's K/V under cross-layer sharing reads its source's pages).
     """
-    everything = tuple(range(cfg.num_layers))
+    everything = cfg.kv_layers
     full = tuple(i for i in everything if cfg.layer_types[i] == FULL)
     sliding = tuple(i for i in everything if cfg.layer_types[i] == SLIDING)
     if not release_sliding or not sliding:

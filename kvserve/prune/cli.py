@@ -4,8 +4,9 @@ prune a model's transformer-block linears (Wanda / SparseGPT calibrate on WikiTe
 
 Unstructured results are saved dense (zeros) with save_model; an N:M result with --compress is
 saved N:M-compressed (kvserve.prune.sparse24). --steps S prunes iteratively (S passes, sparsity
-raised step by step); healing between steps is a Python hook (`prune_model(heal_fn=...)`), not
-run by this command.
+raised step by step); with --heal-steps N every step is followed by N steps of logit distillation
+from the unpruned model that keep the zeros (kvserve.prune.heal; `prune_model(heal_fn=...)` is the
+Python hook).
 
 Structured pruning (--prune-heads / --ffn-keep / --hidden-keep / --drop-layers) is delegated to
 kvserve.prune.structured.structured_prune; --method is then optional (both may be combined:
@@ -33,6 +34,16 @@ def add_prune_parser(sub) -> None:
                    help="unstructured comparison group of magnitude / wanda (default: layer / row)")
     p.add_argument("--steps", type=int, default=1,
                    help="iterative pruning in this many steps (healing between steps is a Python hook)")
+    p.add_argument("--heal-steps", type=int, default=0,
+                   help="after every pruning step, this many distillation steps from the unpruned model "
+                        "(zeros kept; 0 = no healing)")
+    p.add_argument("--heal-lr", type=float, default=1e-4, help="healing: AdamW peak learning rate")
+    p.add_argument("--heal-alpha", type=float, default=0.5,
+                   help="healing: weight of the KL term (1 - alpha weighs the CE), as `kvserve distill --alpha`")
+    p.add_argument("--heal-seqlen", type=int, default=256, help="healing: tokens per training window")
+    p.add_argument("--heal-batch-size", type=int, default=4, help="healing: windows per step")
+    p.add_argument("--heal-text-file", default=None,
+                   help="healing text (default: WikiText-2 wiki.valid.tokens)")
     p.add_argument("--damp", type=float, default=0.01, help="sparsegpt: dampening, fraction of mean diag(H)")
     p.add_argument("--blocksize", type=int, default=128, help="sparsegpt: columns per block")
     p.add_argument("--skip", default="", help="comma-separated substrings of layer names left dense")
@@ -66,7 +77,26 @@ def _check_args(args: argparse.Namespace) -> bool:
         raise ValueError("--compress needs an N:M --pattern (unstructured models are saved dense)")
     if args.nsamples < 1:
         raise ValueError(f"--nsamples must be >= 1, got {args.nsamples}")
+    if args.heal_steps < 0:
+        raise ValueError(f"--heal-steps must be >= 0, got {args.heal_steps}")
+    if args.heal_steps and args.method is None:
+        raise ValueError("--heal-steps heals between unstructured pruning steps: it needs --method "
+                         "(heal a structured model with `kvserve distill`)")
     return structured
+
+
+def _heal_fn(args, loaded):
+    """The distillation hook of --heal-steps, the unpruned model (loaded again) as the teacher."""
+    from kvserve.loading import load_model
+    from kvserve.prune.heal import distill_heal_fn
+    from kvserve.train.distill import DistillOptions, share_frozen_embedding
+
+    opts = DistillOptions(steps=args.heal_steps, lr=args.heal_lr, alpha=args.heal_alpha, seqlen=args.heal_seqlen,
+                          batch_size=args.heal_batch_size, text_file=args.heal_text_file, eval_windows=0,
+                          warmup_steps=0, log_every=0)
+    teacher = load_model(args.model_path or args.model)
+    share_frozen_embedding(teacher.model, loaded.model)  # the same table: held once
+    return distill_heal_fn(teacher, loaded, opts, progress=False)
 
 
 def _structured(loaded, args, windows):
@@ -102,8 +132,15 @@ def run(args: argparse.Namespace) -> int:
         info["structured"] = {f: getattr(args, f) for f in STRUCTURED_FLAGS if getattr(args, f) is not None}
     if args.method is not None:
         skip = tuple(s for s in args.skip.split(",") if s)
+        heal = _heal_fn(args, loaded) if args.heal_steps else None
         report = prune_model(loaded.model, args.method, sparsity=args.sparsity, pattern=pattern, calibration=windows,
-                             skip=skip, steps=args.steps, per=args.per, percdamp=args.damp, blocksize=args.blocksize)
+                             skip=skip, steps=args.steps, per=args.per, percdamp=args.damp, blocksize=args.blocksize,
+                             heal_fn=heal)
+        if heal is not None:
+            heal(loaded.model, args.steps)  # the last step is healed too
+            info["healing"] = heal.history
+            print(f"healed {len(heal.history)} times x {args.heal_steps} steps "
+                  f"({sum(h['seconds'] for h in heal.history):.0f} s)")
         info.update(report.to_dict())
         print(f"{args.method} {report.label()}: {len(report.layers)} layers, sparsity "
               f"{report.achieved_sparsity:.4f}")

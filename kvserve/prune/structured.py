@@ -77,6 +77,9 @@ def _check_args(cfg: ModelConfig, prune_heads: int, ffn_keep: float, hidden_keep
         raise ValueError(f"--drop-layers must be an integer >= 0, got {drop_layers!r}")
     if drop_layers >= cfg.num_layers:
         raise ValueError(f"--drop-layers {drop_layers} leaves no layers (the model has {cfg.num_layers})")
+    if drop_layers and cfg.kv_source is not None:
+        raise ValueError("--drop-layers: the model shares K/V across layers (kvserve_kv_source); drop layers "
+                         "before `kvserve convert --share-kv-every`")
 
 
 def kept_width(full: int, keep: float) -> int:

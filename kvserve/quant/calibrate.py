@@ -70,11 +70,22 @@ def load_calibration(tokenizer, nsamples: int = 128, seqlen: int = 512, seed: in
     return calibration_windows(tokenize_file(tokenizer, path), nsamples, seqlen, seed, bos_token_id)
 
 
+def refuse_shared_kv(model: nn.Module) -> None:
+    """Layer-by-layer calibration runs one block at a time over every window, so a layer that
+    reuses an earlier layer's K/V (cross-layer sharing) would have none to read."""
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "kv_source", None) is not None:
+        raise ValueError("calibrated quantization / pruning (GPTQ, AWQ, QAT, SmoothQuant, Wanda, SparseGPT) does "
+                         "not support models with cross-layer KV sharing (kvserve_kv_source): compress the model "
+                         "before `kvserve convert --share-kv-every` (RTN and magnitude pruning work on it)")
+
+
 def run_windows(fn: Callable[[torch.Tensor, AttentionMetadata], torch.Tensor], model: nn.Module,
                 x: torch.Tensor, seqlen: int, batch_size: int = 8) -> torch.Tensor:
     """Apply fn(x_batch [b * seqlen, d], meta) window batch by window batch over x [n * seqlen, d]
     (n windows laid out flat) -> the concatenated outputs. `meta` carries a WindowAttention for the
     b windows of the batch, so an attention module or a whole decoder layer can be `fn`."""
+    refuse_shared_kv(model)
     n = x.shape[0] // seqlen
     outs, metas = [], {}
     for a in range(0, n, batch_size):
@@ -141,6 +152,7 @@ class Calibrator:
             raise ValueError(f"collect: unknown statistics {sorted(unknown)} (choose from {', '.join(STATS)})")
         if windows.dim() != 2:
             raise ValueError(f"windows must be [nsamples, seqlen], got shape {tuple(windows.shape)}")
+        refuse_shared_kv(model)
         self.model, self.windows = model, windows
         self.seqlen = int(windows.shape[1])
         self.collect, self.sample_rows, self.batch_size = collect, sample_rows, batch_size

@@ -123,7 +123,7 @@ def _evaluate(student, teacher, ids: torch.Tensor | None, opts: DistillOptions, 
             "windows": r.num_windows, "seqlen": r.seqlen, "tokens": r.num_tokens, "seconds": r.seconds}
 
 
-def _share_frozen_embedding(teacher, student) -> bool:
+def share_frozen_embedding(teacher, student) -> bool:
     """Point the student's (frozen) token embedding at the teacher's when they are equal -> shared.
 
     A pruned student usually keeps the teacher's table: on Gemma that is 670 MB of fp32 (and the
@@ -195,7 +195,7 @@ def distill(teacher, student, out: str | Path, opts: DistillOptions | None = Non
         log.info("before: student PPL %.3f (teacher %.3f), KL %.4f", before["ppl"], before["teacher_ppl"],
                  before["kl_to_teacher"])
     if not opts.train_embeddings:
-        _share_frozen_embedding(teacher.model, student.model)
+        share_frozen_embedding(teacher.model, student.model)
     params = trainable_parameters(student.model, train_embeddings=opts.train_embeddings)
     loss = DistillLoss(teacher.model, temperature=opts.temperature, alpha=opts.alpha, chunk_rows=opts.chunk_rows)
     report = train(student.model, windows, loss, cfg, params=params, checkpoint=ckpt, progress=progress)
