@@ -72,3 +72,14 @@ def gemma_llm(gemma):
     from kvserve import LLM
 
     return LLM(loaded=gemma, kv_cache_gib=0.5)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny-model tests (faster, and immune to a busy
+    machine's spin waits); the previous setting is restored afterwards. Use it from an autouse
+    fixture of the module."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

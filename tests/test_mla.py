@@ -27,12 +27,8 @@ D_C, D_ROPE, D_NOPE, D_V, HEADS, LAYERS = 32, 16, 32, 32, 4, 3  # tests/tiny_mod
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
+def _one_thread(one_thread):
     """Tiny matrices: one intra-op thread is faster, and immune to a busy machine's spin waits."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -148,8 +148,8 @@ def quantize_model(
     act = act_dtype or torch.bfloat16
     tied = getattr(model, "lm_head", None) is None
     if embedding and tied and not lm_head:
-        raise ValueError("embedding=True on a tied model needs lm_head=True: the table is the LM head, quantized "
-                         "once for both")
+        raise ValueError("--quant-embedding (embedding=True) on a tied model needs --quant-lm-head (lm_head=True): "
+                         "the table is the LM head, quantized once for both")
     # Scales rounded to the dtype the int4/int8 kernels store them in (see QuantSpec.scale_dtype).
     spec = QuantSpec(bits=bits, sym=sym, granularity=granularity, group_size=group_size,
                      scale_dtype=torch.float32 if kernel == "dequant" else act)

@@ -1,0 +1,56 @@
+"""kvserve adapter (runs in the repo's .venv): the GGUF dequantized to fp32, prefix caching off.
+
+Batch-1 numbers come from kvserve's own request metrics (TTFT = arrival -> first token, TPOT =
+mean gap between output tokens), as `kvserve bench latency` reports them; the offline run is
+`kvserve.bench.throughput.run_kvserve` (continuous batching, --max-num-seqs from the spec).
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from _common import ThroughputRun, Timed, main, threads
+
+
+class KvserveEngine:
+    name = "kvserve"
+
+    def __init__(self, spec: dict):
+        from kvserve import LLM
+        from kvserve.loading import load_model
+
+        torch.set_num_threads(threads(spec))
+        opts = spec.get("kvserve", {})
+        self.loaded = load_model(spec.get("model"), opts.get("dtype", "float32"))
+        self.dtype = str(next(self.loaded.model.parameters()).dtype).removeprefix("torch.")
+        self.max_num_seqs: list[int] = opts.get("max_num_seqs", [64])
+        self.engine_args = dict(enable_prefix_caching=False,
+                                max_num_batched_tokens=opts.get("max_num_batched_tokens", 2048),
+                                kv_cache_gib=opts.get("kv_cache_gib"))
+        cfg = self.loaded.config
+        self.llm = LLM(loaded=self.loaded, enable_prefix_caching=False, max_num_seqs=1,
+                       max_model_len=min(cfg.max_position_embeddings, spec["max_model_len"]))
+        self.notes: list[str] = []
+
+    def generate_timed(self, ids: list[int], new_tokens: int) -> Timed:
+        from kvserve import SamplingParams
+
+        out = self.llm.generate(ids, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))[0]
+        tokens = list(out.outputs[0].token_ids)
+        m = out.metrics
+        return Timed(tokens, m.ttft, (m.tpot or 0.0) * (len(tokens) - 1))
+
+    def throughput_settings(self) -> list[str]:
+        return [f"max_num_seqs={n}" for n in self.max_num_seqs]
+
+    def throughput(self, prompts: list[list[int]], output_lens: list[int], setting: str) -> ThroughputRun:
+        from kvserve.bench.throughput import Workload, run_kvserve
+
+        n = int(setting.split("=")[1])
+        r = run_kvserve(self.loaded, Workload(prompts, output_lens), max_num_seqs=n, **self.engine_args)
+        return ThroughputRun(setting, r.seconds, round(r.output_tok_s * r.seconds))
+
+
+if __name__ == "__main__":
+    sys.exit(main(KvserveEngine, "kvserve"))

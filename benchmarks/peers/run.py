@@ -1,0 +1,364 @@
+"""Peers benchmark: kvserve, HF transformers, llama.cpp and vLLM (CPU) side by side, one run.
+
+    python benchmarks/peers/run.py [--engines kvserve,hf,llamacpp,vllm] [--repeats 3] [--quick]
+                                   [--json-dir DIR] [--plot PATH] [--threads N]
+
+The prompts are built once here, as token ids with a fixed seed, and the same ids go to every
+engine; each engine runs alone in its own subprocess (its own venv where it has one) and prints
+one JSON line. Metrics (defined in `_common.py`, medians of --repeats runs):
+
+- decode tok/s: batch-1 greedy, --decode-new-tokens after a short text prompt, first token excluded;
+- prefill tok/s and TTFT: a fresh --prefill-len-token prompt per run (prefix caching off);
+- throughput: --num-prompts requests, inputs/outputs uniform in --input-len/--output-len (random
+  ids as `kvserve bench throughput`, EOS ignored), output tok/s.
+
+Prints a markdown table with the raw runs and kvserve/peer ratios, writes results.json and a bar
+chart. An engine whose venv is missing or whose run fails is "not available: <reason>".
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from _common import RESULT_PREFIX
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+ALL_ENGINES = ["kvserve", "hf", "llamacpp", "vllm"]
+DECODE_TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes "
+               "Gutenberg combined movable metal type, oil-based ink and a wooden press. Within fifty years")
+
+
+@dataclass
+class EngineSpec:
+    """Where an engine's adapter runs."""
+    name: str
+    python: Path
+    adapter: Path
+    setup_hint: str = ""
+
+
+def engine_specs() -> dict[str, EngineSpec]:
+    main_py = REPO / ".venv" / "bin" / "python"
+    main_py = main_py if main_py.exists() else Path(sys.executable)
+    return {
+        "kvserve": EngineSpec("kvserve", main_py, HERE / "adapter_kvserve.py"),
+        "hf": EngineSpec("hf", main_py, HERE / "adapter_hf.py"),
+        "llamacpp": EngineSpec("llamacpp", HERE / ".venv-llamacpp" / "bin" / "python", HERE / "adapter_llamacpp.py",
+                               "benchmarks/peers/setup_peers.sh llamacpp"),
+        "vllm": EngineSpec("vllm", HERE / ".venv-vllm" / "bin" / "python", HERE / "adapter_vllm.py",
+                           "benchmarks/peers/setup_peers.sh vllm"),
+    }
+
+
+@dataclass
+class Outcome:
+    """One engine's result as the driver sees it: the adapter's JSON, or why there is none."""
+    engine: str
+    result: dict = field(default_factory=dict)
+    unavailable: str | None = None
+    wall_s: float = 0.0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engines", default=",".join(ALL_ENGINES), help="comma list of " + ", ".join(ALL_ENGINES))
+    p.add_argument("--repeats", type=int, default=3, help="runs per metric; medians are reported (>= 3 for reports)")
+    p.add_argument("--quick", action="store_true", help="tiny settings: smoke-test every adapter in a minute or two")
+    p.add_argument("--model", default=None, help="GGUF path (default: the bundled Gemma 3 270M Q4_K_M)")
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="CPU threads per engine (torch, llama.cpp, vLLM)")
+    p.add_argument("--decode-new-tokens", type=int, default=128)
+    p.add_argument("--prefill-len", type=int, default=512)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
+    p.add_argument("--hf-batch-sizes", default="8,16,32", help="HF static batch sizes swept for throughput")
+    p.add_argument("--kvserve-max-num-seqs", default="64", help="kvserve --max-num-seqs for throughput (comma list: sweep)")
+    p.add_argument("--llamacpp-parallel", type=int, default=16,
+                   help="llama.cpp sequences decoded together in one batch for throughput (1 = one request at a time)")
+    p.add_argument("--metrics", default="decode,prefill,throughput")
+    p.add_argument("--check-tokens", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per engine")
+    p.add_argument("--json-dir", default=None, help="folder for spec.json, per-engine logs and results.json "
+                                                   "(default benchmarks/peers/results/<time>)")
+    p.add_argument("--plot", default=None, help="bar chart PNG (default <json-dir>/peers.png)")
+    args = p.parse_args(argv)
+    if args.repeats < 1 or args.threads < 1:
+        p.error("--repeats and --threads must be >= 1")
+    if args.quick:
+        args.decode_new_tokens, args.prefill_len, args.num_prompts = 16, 64, 4  # 16: the full token check
+        args.input_len, args.output_len = [16, 64], [8, 16]
+        args.hf_batch_sizes, args.kvserve_max_num_seqs, args.llamacpp_parallel = "2,4", "4", 4
+    return args
+
+
+def build_spec(args: argparse.Namespace) -> dict:
+    """The prompts every engine gets (token ids, fixed seed) and the per-engine options."""
+    from kvserve.bench.throughput import make_workload
+    from kvserve.loading import load_model
+    from kvserve.loading.loader import default_model_path
+
+    model_path = Path(args.model) if args.model else default_model_path()
+    loaded = load_model(str(model_path))
+    cfg, tok = loaded.config, loaded.tokenizer
+    decode_prompt = tok.encode(DECODE_TEXT)
+    del loaded
+    vocab, bos = cfg.vocab_size, cfg.bos_token_id
+    # repeats + 1 distinct prefill prompts: the first one is the warm-up.
+    prefill = make_workload(args.repeats + 1, (args.prefill_len, args.prefill_len), (1, 1), vocab, bos,
+                            args.seed + 1).prompts
+    wl = make_workload(args.num_prompts, tuple(args.input_len), tuple(args.output_len), vocab, bos, args.seed)
+    longest = max(args.prefill_len + 1, len(decode_prompt) + args.decode_new_tokens,
+                  max(len(p) + n for p, n in zip(wl.prompts, wl.output_lens)))
+    return {
+        "model_path": str(model_path),
+        "model": str(model_path),
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "check_tokens": args.check_tokens,
+        "metrics": args.metrics.split(","),
+        "max_model_len": longest + 16,
+        "vocab_size": vocab,
+        "bos_token_id": bos,
+        "pad_token_id": cfg.pad_token_id or 0,
+        "decode_text": DECODE_TEXT,
+        "decode_prompt": decode_prompt,
+        "decode_new_tokens": args.decode_new_tokens,
+        "prefill_prompts": prefill,
+        "throughput_prompts": wl.prompts,
+        "throughput_output_lens": wl.output_lens,
+        "kvserve": {"dtype": "float32", "max_num_seqs": _ints(args.kvserve_max_num_seqs)},
+        "hf": {"dtype": "float32", "batch_sizes": _ints(args.hf_batch_sizes)},
+        "llamacpp": {"parallel": args.llamacpp_parallel},
+        "vllm": {"dtype": "float32", "hf_dir": str(HERE / ".cache" / (model_path.stem + "-hf-fp32"))},
+    }
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def engine_env(name: str, threads: int) -> dict[str, str]:
+    """The subprocess environment: thread counts pinned to --threads, nothing shared."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=str(HERE))
+    if name == "vllm":
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}" if threads > 1 else "0")
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache
+    return env
+
+
+def run_engine(spec: EngineSpec, spec_path: Path, out_dir: Path, threads: int, timeout: float) -> Outcome:
+    """Run one adapter in its own process; its stderr goes to <out_dir>/<engine>.log."""
+    if not spec.python.exists():
+        return Outcome(spec.name, unavailable=f"venv missing ({spec.python.parent.parent.name}; run {spec.setup_hint})")
+    out_json, log_path = out_dir / f"{spec.name}.json", out_dir / f"{spec.name}.log"
+    cmd = [str(spec.python), str(spec.adapter), str(spec_path), str(out_json)]
+    print(f"== {spec.name}: {' '.join(cmd)} (log {log_path})", flush=True)
+    t = time.perf_counter()
+    with open(log_path, "w") as log:
+        try:
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True, timeout=timeout,
+                                  env=engine_env(spec.name, threads), cwd=str(REPO))
+        except subprocess.TimeoutExpired:
+            return Outcome(spec.name, unavailable=f"timed out after {timeout:.0f} s (see {log_path})",
+                           wall_s=time.perf_counter() - t)
+    wall = time.perf_counter() - t
+    with open(log_path, "a") as log:  # the engine's own stdout logging (vLLM logs there)
+        log.write(proc.stdout)
+    lines = [ln[len(RESULT_PREFIX):] for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
+    if not lines:
+        tail = log_path.read_text().strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+        return Outcome(spec.name, unavailable=f"no result, exit {proc.returncode}: {tail[0][:200]}", wall_s=wall)
+    result = json.loads(lines[-1])
+    out = Outcome(spec.name, result, wall_s=wall)
+    if result.get("error") and not (result.get("decode_runs") or result.get("prefill_runs")):
+        out.unavailable = result["error"][:300]
+    return out
+
+
+def med(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def summarize(o: Outcome) -> dict:
+    """Medians of one engine's runs."""
+    r = o.result
+    tp = [x["output_tok_s"] for x in r.get("throughput_runs", [])]
+    return {"decode_tok_s": med(r.get("decode_runs", [])), "prefill_tok_s": med(r.get("prefill_runs", [])),
+            "ttft_ms": (med(r.get("ttft_runs", [])) or 0) * 1e3 or None, "throughput_tok_s": med(tp)}
+
+
+def _fmt(x: float | None, runs: list[float] | None = None, digits: int = 1) -> str:
+    if x is None:
+        return "–"
+    s = f"{x:.{digits}f}"
+    if runs and len(runs) > 1:
+        s += " (" + ", ".join(f"{v:.{digits}f}" for v in runs) + ")"
+    return s
+
+
+def _ratio(a: float | None, b: float | None, inverse: bool = False) -> str:
+    if not a or not b:
+        return "–"
+    return f"{(b / a if inverse else a / b):.2f}x"
+
+
+def print_table(outcomes: list[Outcome], spec: dict) -> str:
+    """Markdown: medians with raw runs in parentheses, then kvserve/peer ratios (> 1: kvserve faster)."""
+    lines = [f"decode: batch-1 greedy, {len(spec['decode_prompt'])}-token prompt + {spec['decode_new_tokens']} new tokens; "
+             f"prefill/TTFT: fresh {len(spec['prefill_prompts'][0])}-token prompt; throughput: "
+             f"{len(spec['throughput_prompts'])} requests; {spec['threads']} threads; median of {spec['repeats']} "
+             f"(raw runs in parentheses)", "",
+             "| engine | weights | decode tok/s | prefill tok/s | TTFT ms | throughput out tok/s | throughput setting "
+             f"| first {spec['check_tokens']} tokens = kvserve |",
+             "|---|---|---|---|---|---|---|---|"]
+    ref = next((o for o in outcomes if o.engine == "kvserve" and not o.unavailable), None)
+    ref_first = ref.result.get("first_tokens") if ref else None
+    for o in outcomes:
+        if o.unavailable:
+            lines.append(f"| {o.engine} | not available: {o.unavailable} | | | | | | |")
+            continue
+        r, s = o.result, summarize(o)
+        same = "–" if not ref_first or o is ref else _match(r.get("first_tokens", []), ref_first)
+        tps = [x["output_tok_s"] for x in r.get("throughput_runs", [])]
+        lines.append(f"| {o.engine} | {r.get('dtype', '?')} | {_fmt(s['decode_tok_s'], r.get('decode_runs'), 2)} | "
+                     f"{_fmt(s['prefill_tok_s'], r.get('prefill_runs'))} | "
+                     f"{_fmt(s['ttft_ms'], [t * 1e3 for t in r.get('ttft_runs', [])])} | {_fmt(s['throughput_tok_s'], tps)} | "
+                     f"{r.get('throughput_setting', '')} | {same} |")
+    if ref and any(o is not ref and not o.unavailable for o in outcomes):
+        rs = summarize(ref)
+        lines += ["", "| kvserve / peer | decode | prefill | TTFT (peer / kvserve) | throughput |", "|---|---|---|---|---|"]
+        for o in outcomes:
+            if o is ref or o.unavailable:
+                continue
+            s = summarize(o)
+            lines.append(f"| kvserve / {o.engine} | {_ratio(rs['decode_tok_s'], s['decode_tok_s'])} | "
+                         f"{_ratio(rs['prefill_tok_s'], s['prefill_tok_s'])} | {_ratio(rs['ttft_ms'], s['ttft_ms'], True)} | "
+                         f"{_ratio(rs['throughput_tok_s'], s['throughput_tok_s'])} |")
+    notes = [(o.engine, n) for o in outcomes for n in o.result.get("notes", [])]
+    notes += [(o.engine, "error: " + o.result["error"]) for o in outcomes if o.result.get("error") and not o.unavailable]
+    if notes:
+        lines += [""] + [f"- {e}: {n}" for e, n in notes]
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return text
+
+
+def _match(tokens: list[int], ref: list[int]) -> str:
+    n = len(ref)
+    same = sum(1 for _ in _takewhile_equal(tokens, ref))
+    return f"yes ({n}/{n})" if same == n and len(tokens) >= n else f"no (first {same} of {n} equal)"
+
+
+def _takewhile_equal(a: list[int], b: list[int]):
+    for x, y in zip(a, b):
+        if x != y:
+            return
+        yield x
+
+
+def plot(outcomes: list[Outcome], path: Path) -> None:
+    """Three panels (decode, prefill, throughput tok/s), one bar per engine: the median, with the
+    spread of the raw runs as an error bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [o for o in outcomes if not o.unavailable]
+    panels = [("batch-1 decode tok/s", "decode_runs", None), ("prefill tok/s", "prefill_runs", None),
+              ("offline throughput, output tok/s", "throughput_runs", "output_tok_s")]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    for ax, (title, key, sub) in zip(axes, panels):
+        names, meds, lo, hi = [], [], [], []
+        for o in ok:
+            runs = [x[sub] if sub else x for x in o.result.get(key, [])]
+            if not runs:
+                continue
+            m = statistics.median(runs)
+            names.append(f"{o.engine}\n{o.result.get('dtype', '')}")
+            meds.append(m)
+            lo.append(m - min(runs))
+            hi.append(max(runs) - m)
+        bars = ax.bar(names, meds, yerr=[lo, hi], capsize=4, color=[f"C{i}" for i in range(len(names))])
+        ax.bar_label(bars, fmt="%.1f", padding=2)
+        ax.set_title(title)
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle("kvserve vs peers (median of runs; bars span min-max)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def export_hf_dir(spec: dict, out_dir: Path) -> str | None:
+    """vLLM reads an HF folder: write the GGUF's dequantized fp32 weights and tokenizer once (HF
+    transformers' GGUF reader, in the repo venv). Returns an error string, or None."""
+    target = Path(spec["vllm"]["hf_dir"])
+    if (target / "config.json").exists():
+        return None
+    py = engine_specs()["hf"].python
+    proc = subprocess.run([str(py), str(HERE / "export_hf.py"), spec["model_path"], str(target)],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=engine_env("hf", spec["threads"]))
+    (out_dir / "export_hf.log").write_text(proc.stdout)
+    return None if proc.returncode == 0 else f"HF export failed: {proc.stdout.strip().splitlines()[-1:]}"
+
+
+def machine_info() -> dict:
+    return {"platform": platform.platform(), "processor": platform.processor(), "cpu_count": os.cpu_count(),
+            "python": sys.version.split()[0]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    engines = [e for e in args.engines.split(",") if e]
+    unknown = set(engines) - set(ALL_ENGINES)
+    if unknown:
+        raise SystemExit(f"unknown engine(s): {', '.join(sorted(unknown))}")
+    out_dir = Path(args.json_dir) if args.json_dir else HERE / "results" / time.strftime("%Y%m%d-%H%M%S")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spec = build_spec(args)
+    spec_path = out_dir / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    specs = engine_specs()
+    outcomes: list[Outcome] = []
+    for name in engines:
+        if name == "vllm" and specs[name].python.exists():
+            err = export_hf_dir(spec, out_dir)
+            if err:
+                outcomes.append(Outcome(name, unavailable=err))
+                continue
+        o = run_engine(specs[name], spec_path, out_dir, args.threads, args.timeout)
+        print(f"== {name}: {'not available: ' + o.unavailable if o.unavailable else 'done'} ({o.wall_s:.0f} s)", flush=True)
+        outcomes.append(o)
+    print()
+    table = print_table(outcomes, spec)
+    (out_dir / "table.md").write_text(table + "\n")
+    plot(outcomes, Path(args.plot) if args.plot else out_dir / "peers.png")
+    summary = {
+        "args": vars(args), "machine": machine_info(),
+        "workload": {"decode_prompt_len": len(spec["decode_prompt"]), "decode_new_tokens": spec["decode_new_tokens"],
+                     "prefill_len": len(spec["prefill_prompts"][0]), "num_prompts": len(spec["throughput_prompts"]),
+                     "input_tokens": sum(map(len, spec["throughput_prompts"])),
+                     "output_tokens": sum(spec["throughput_output_lens"])},
+        "engines": {o.engine: {"unavailable": o.unavailable, "wall_s": o.wall_s, "medians": summarize(o)
+                               if not o.unavailable else None, "result": o.result} for o in outcomes},
+    }
+    (out_dir / "results.json").write_text(json.dumps(summary, indent=1))
+    print(f"wrote {out_dir / 'results.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
