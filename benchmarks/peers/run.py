@@ -268,8 +268,8 @@ def _takewhile_equal(a: list[int], b: list[int]):
 
 
 def plot(outcomes: list[Outcome], path: Path) -> None:
-    """Three panels (decode, prefill, throughput tok/s), one bar per engine: the median, with the
-    spread of the raw runs as an error bar."""
+    """A panel per metric that ran (decode, prefill, throughput tok/s), one bar per engine: the
+    median, with the spread of the raw runs as an error bar."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -278,7 +278,11 @@ def plot(outcomes: list[Outcome], path: Path) -> None:
     ok = [o for o in outcomes if not o.unavailable]
     panels = [("batch-1 decode tok/s", "decode_runs", None), ("prefill tok/s", "prefill_runs", None),
               ("offline throughput, output tok/s", "throughput_runs", "output_tok_s")]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    panels = [p for p in panels if any(o.result.get(p[1]) for o in ok)]  # only the metrics that ran
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 4), squeeze=False)
+    axes = axes[0]
     for ax, (title, key, sub) in zip(axes, panels):
         names, meds, lo, hi = [], [], [], []
         for o in ok:
