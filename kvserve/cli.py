@@ -18,11 +18,19 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV storage: the model's dtype, or int8 / fp8 (e4m3) with per-token, per-head scales")
     p.add_argument("--max-model-len", type=int, default=None, help="context window cap")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    _add_weights_arg(p)
     g = p.add_argument_group("StreamingLLM (constant KV memory past the context length)")
     g.add_argument("--attention-sinks", type=int, default=0, help="S: first tokens every layer keeps for good")
     g.add_argument("--streaming-window", type=int, default=None,
                    help="W: recent tokens every layer keeps; positions are ranks in the cache (off by default)")
     _add_speculative_args(p)
+
+
+def _add_weights_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--weights", default="float", choices=["float", "fp32", "int8", "int4"],
+                   help="float: as loaded, in --dtype (fp32: the same, for --dtype float32); int8 / int4: RTN-quantize "
+                        "every linear, the LM head and the embedding at start (int8 per channel, int4 groups of 128) "
+                        "onto PyTorch's CPU int8 / int4 kernels")
 
 
 def _add_speculative_args(p: argparse.ArgumentParser) -> None:
@@ -47,7 +55,7 @@ def decoding_config(args: argparse.Namespace) -> dict:
                 self_draft_layers=args.self_draft_layers, self_draft_dtype=args.self_draft_dtype,
                 self_draft_bits=args.self_draft_bits,
                 attention_sinks=args.attention_sinks, streaming_window=args.streaming_window,
-                kv_cache_dtype=args.kv_cache_dtype)
+                kv_cache_dtype=args.kv_cache_dtype, weights=args.weights)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -139,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     tp = bench.add_parser("throughput", help="offline throughput on a random workload (optionally vs HF)")
     tp.add_argument("--model", default=None)
     tp.add_argument("--dtype", default="float32")
+    _add_weights_arg(tp)
     tp.add_argument("--num-prompts", type=positive_int, default=64)
     tp.add_argument("--input-len", type=positive_int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
     tp.add_argument("--output-len", type=positive_int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
@@ -170,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     lt = bench.add_parser("latency", help="one request: TTFT, prefill tok/s, batch-1 decode tok/s vs the bandwidth bound")
     lt.add_argument("--model", default=None)
     lt.add_argument("--dtype", default="float32")
+    _add_weights_arg(lt)
     lt.add_argument("--input-len", type=positive_int, default=512, help="prompt tokens (fresh random ids)")
     lt.add_argument("--output-len", type=positive_int, default=128, help="new tokens (ignore_eos)")
     lt.add_argument("--repeats", type=positive_int, default=3, help="runs; medians are reported")

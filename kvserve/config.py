@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 
 DEVICES = ("cpu", "cuda")
 SPECULATIVE = ("ngram", "draft", "self")
+WEIGHTS = ("float", "int8", "int4")
 
 
 def _default_kv_cache_gib() -> float:
@@ -34,6 +35,12 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     use_kv_cache: bool = True  # False: recompute the whole sequence every step (the O(T^2) baseline)
     num_threads: int | None = None  # torch intra-op threads; None = leave torch's default
+    # Weights as computed: "float" (as loaded, in `dtype`), or quantized when the engine starts,
+    # RTN onto the CPU low-bit kernels (kvserve/quant/linear.py): "int8" per output channel,
+    # symmetric; "int4" asymmetric, groups of 128 (64 or 32 where 128 does not divide a width).
+    # Every linear layer, the LM head and the token embedding included. A model handed in as
+    # `loaded` is copied first, not changed.
+    weights: str = "float"
     # Sliding-window layers give back the KV blocks that fall wholly out of their window (one
     # block table per layer group, see kvserve/model/config.py `kv_layer_groups`). False = every
     # layer keeps every block (one table), the behaviour before; also off without a KV cache
@@ -87,8 +94,25 @@ class EngineConfig:
 
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        self._check_weights()
         self._check_speculative()
         self._check_streaming()
+
+    def _check_weights(self) -> None:
+        if self.weights == "fp32":  # the issue's / llama.cpp's name for unquantized fp32 weights
+            if self.dtype not in ("float32", "fp32"):
+                raise ValueError(f"weights 'fp32' contradicts dtype {self.dtype!r}: use weights='float'")
+            self.weights = "float"
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {WEIGHTS}, got {self.weights!r}")
+        if self.weights == "float":
+            return
+        if str(self.device).split(":")[0] != "cpu":
+            raise ValueError(f"weights {self.weights!r} run on PyTorch's CPU int8 / int4 kernels: device must be "
+                             f"'cpu', got {self.device!r}")
+        if self.speculative == "self":
+            raise ValueError(f"speculative='self' builds its own draft copy from float weights; it does not "
+                             f"combine with weights {self.weights!r} (use self_draft_bits for a low-bit draft)")
 
     def _check_streaming(self) -> None:
         a = self.attention_sinks

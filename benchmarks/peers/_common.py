@@ -146,11 +146,18 @@ def measure_throughput(engine: Engine, spec: dict, res: AdapterResult) -> None:
     res.throughput_runs = [dict(asdict(r), output_tok_s=r.output_tok_s) for r in runs]
 
 
+def engine_name(default: str) -> str:
+    """The engine this adapter runs as: `adapter.py SPEC.json OUT.json ENGINE` (one adapter may
+    serve several engines, e.g. kvserve-int8; its options are the spec's ENGINE section)."""
+    return sys.argv[3] if len(sys.argv) > 3 else default
+
+
 def main(make_engine: Callable[[dict], Engine], name: str) -> int:
-    """Adapter entry point: `adapter.py SPEC.json [OUT.json]`. Prints one JSON line (the result,
-    after RESULT_PREFIX) on stdout; a failure is reported in `error`, with whatever was measured before it."""
+    """Adapter entry point: `adapter.py SPEC.json [OUT.json [ENGINE]]` (ENGINE: see `engine_name`,
+    default `name`). Prints one JSON line (the result, after RESULT_PREFIX) on stdout; a failure
+    is reported in `error`, with whatever was measured before it."""
     spec = load_spec(sys.argv[1])
-    res = AdapterResult(engine=name)
+    res = AdapterResult(engine=engine_name(name))
     try:
         t = time.perf_counter()
         engine = make_engine(spec)

@@ -3,35 +3,44 @@
 Batch-1 numbers come from kvserve's own request metrics (TTFT = arrival -> first token, TPOT =
 mean gap between output tokens), as `kvserve bench latency` reports them; the offline run is
 `kvserve.bench.throughput.run_kvserve` (continuous batching, --max-num-seqs from the spec).
+
+One adapter, several engines (`adapter_kvserve.py SPEC OUT ENGINE`): the spec's ENGINE section
+gives the options; `weights` there ("int8", "int4") goes to every LLM built, which quantizes its
+copy of the fp32 model at construction (PyTorch's CPU int8 / int4 kernels).
 """
 from __future__ import annotations
 
 import sys
+import time
 
 import torch
 
-from _common import ThroughputRun, Timed, main, threads
+from _common import ThroughputRun, Timed, engine_name, main, threads
 
 
 class KvserveEngine:
-    name = "kvserve"
-
-    def __init__(self, spec: dict):
+    def __init__(self, spec: dict, name: str = "kvserve"):
         from kvserve import LLM
         from kvserve.loading import load_model
 
         torch.set_num_threads(threads(spec))
-        opts = spec.get("kvserve", {})
+        self.name = name
+        opts = spec.get(name, {})
         self.loaded = load_model(spec.get("model"), opts.get("dtype", "float32"))
-        self.dtype = str(next(self.loaded.model.parameters()).dtype).removeprefix("torch.")
+        weights: str | None = opts.get("weights")  # None: the engine's default (float)
+        self.dtype = weights or str(next(self.loaded.model.parameters()).dtype).removeprefix("torch.")
         self.max_num_seqs: list[int] = opts.get("max_num_seqs", [64])
         self.engine_args = dict(enable_prefix_caching=False,
                                 max_num_batched_tokens=opts.get("max_num_batched_tokens", 2048),
-                                kv_cache_gib=opts.get("kv_cache_gib"))
+                                kv_cache_gib=opts.get("kv_cache_gib"), **({"weights": weights} if weights else {}))
         cfg = self.loaded.config
-        self.llm = LLM(loaded=self.loaded, enable_prefix_caching=False, max_num_seqs=1,
-                       max_model_len=min(cfg.max_position_embeddings, spec["max_model_len"]))
+        t = time.perf_counter()
+        self.llm = LLM(loaded=self.loaded, max_num_seqs=1,
+                       max_model_len=min(cfg.max_position_embeddings, spec["max_model_len"]), **self.engine_args)
         self.notes: list[str] = []
+        if weights:
+            self.notes.append(f"weights={weights}: LLM built in {time.perf_counter() - t:.1f} s (quantization "
+                              "included; again for every throughput run, outside its timing)")
 
     def generate_timed(self, ids: list[int], new_tokens: int) -> Timed:
         from kvserve import SamplingParams
@@ -53,4 +62,5 @@ class KvserveEngine:
 
 
 if __name__ == "__main__":
-    sys.exit(main(KvserveEngine, "kvserve"))
+    engine = engine_name("kvserve")
+    sys.exit(main(lambda spec: KvserveEngine(spec, engine), engine))

@@ -1,6 +1,8 @@
-"""Peers benchmark: kvserve, HF transformers, llama.cpp and vLLM (CPU) side by side, one run.
+"""Peers benchmark: kvserve (fp32, int8, int4 weights), HF transformers, llama.cpp and vLLM (CPU)
+side by side, one run.
 
-    python benchmarks/peers/run.py [--engines kvserve,hf,llamacpp,vllm] [--repeats 3] [--quick]
+    python benchmarks/peers/run.py [--engines kvserve,kvserve-int8,kvserve-int4,hf,llamacpp,vllm]
+                                   [--repeats 3] [--quick]
                                    [--json-dir DIR] [--plot PATH] [--threads N]
 
 The prompts are built once here, as token ids with a fixed seed, and the same ids go to every
@@ -12,8 +14,9 @@ one JSON line. Metrics (defined in `_common.py`, medians of --repeats runs):
 - throughput: --num-prompts requests, inputs/outputs uniform in --input-len/--output-len (random
   ids as `kvserve bench throughput`, EOS ignored), output tok/s.
 
-Prints a markdown table with the raw runs and kvserve/peer ratios, writes results.json and a bar
-chart. An engine whose venv is missing or whose run fails is "not available: <reason>".
+Prints a markdown table with the raw runs and kvserve/peer ratios (kvserve = the fp32 engine), the
+low-bit acceptance ratios (ACCEPTANCE), writes results.json and a bar chart. An engine whose venv
+is missing or whose run fails is "not available: <reason>".
 """
 from __future__ import annotations
 
@@ -32,7 +35,11 @@ from _common import RESULT_PREFIX
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-ALL_ENGINES = ["kvserve", "hf", "llamacpp", "vllm"]
+KVSERVE_WEIGHTS = ["int8", "int4"]  # kvserve-<w>: the kvserve engine with RTN-quantized weights (EngineConfig.weights)
+KVSERVE_ENGINES = ["kvserve", *(f"kvserve-{w}" for w in KVSERVE_WEIGHTS)]  # one adapter, a spec section each
+ALL_ENGINES = [*KVSERVE_ENGINES, "hf", "llamacpp", "vllm"]
+# Batch-1 decode tok/s: (engine, peer, minimum engine / peer), the low-bit engines' targets.
+ACCEPTANCE = [("kvserve-int4", "llamacpp", 1.0), ("kvserve-int8", "hf", 4.0)]
 DECODE_TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes "
                "Gutenberg combined movable metal type, oil-based ink and a wooden press. Within fifty years")
 
@@ -50,7 +57,7 @@ def engine_specs() -> dict[str, EngineSpec]:
     main_py = REPO / ".venv" / "bin" / "python"
     main_py = main_py if main_py.exists() else Path(sys.executable)
     return {
-        "kvserve": EngineSpec("kvserve", main_py, HERE / "adapter_kvserve.py"),
+        **{e: EngineSpec(e, main_py, HERE / "adapter_kvserve.py") for e in KVSERVE_ENGINES},
         "hf": EngineSpec("hf", main_py, HERE / "adapter_hf.py"),
         "llamacpp": EngineSpec("llamacpp", HERE / ".venv-llamacpp" / "bin" / "python", HERE / "adapter_llamacpp.py",
                                "benchmarks/peers/setup_peers.sh llamacpp"),
@@ -136,11 +143,16 @@ def build_spec(args: argparse.Namespace) -> dict:
         "prefill_prompts": prefill,
         "throughput_prompts": wl.prompts,
         "throughput_output_lens": wl.output_lens,
-        "kvserve": {"dtype": "float32", "max_num_seqs": _ints(args.kvserve_max_num_seqs)},
+        **_kvserve_sections({"dtype": "float32", "max_num_seqs": _ints(args.kvserve_max_num_seqs)}),
         "hf": {"dtype": "float32", "batch_sizes": _ints(args.hf_batch_sizes)},
         "llamacpp": {"parallel": args.llamacpp_parallel},
         "vllm": {"dtype": "float32", "hf_dir": str(HERE / ".cache" / (model_path.stem + "-hf-fp32"))},
     }
+
+
+def _kvserve_sections(opts: dict) -> dict[str, dict]:
+    """The spec sections of kvserve and its low-bit variants (same options plus `weights`)."""
+    return {"kvserve": opts, **{f"kvserve-{w}": dict(opts, weights=w) for w in KVSERVE_WEIGHTS}}
 
 
 def _ints(s: str) -> list[int]:
@@ -162,7 +174,7 @@ def run_engine(spec: EngineSpec, spec_path: Path, out_dir: Path, threads: int, t
     if not spec.python.exists():
         return Outcome(spec.name, unavailable=f"venv missing ({spec.python.parent.parent.name}; run {spec.setup_hint})")
     out_json, log_path = out_dir / f"{spec.name}.json", out_dir / f"{spec.name}.log"
-    cmd = [str(spec.python), str(spec.adapter), str(spec_path), str(out_json)]
+    cmd = [str(spec.python), str(spec.adapter), str(spec_path), str(out_json), spec.name]
     print(f"== {spec.name}: {' '.join(cmd)} (log {log_path})", flush=True)
     t = time.perf_counter()
     with open(log_path, "w") as log:
@@ -214,7 +226,8 @@ def _ratio(a: float | None, b: float | None, inverse: bool = False) -> str:
 
 
 def print_table(outcomes: list[Outcome], spec: dict) -> str:
-    """Markdown: medians with raw runs in parentheses, then kvserve/peer ratios (> 1: kvserve faster)."""
+    """Markdown: medians with raw runs in parentheses, then ratios of the fp32 kvserve to every other
+    engine (> 1: kvserve faster), then the ACCEPTANCE decode ratios of the low-bit engines."""
     lines = [f"decode: batch-1 greedy, {len(spec['decode_prompt'])}-token prompt + {spec['decode_new_tokens']} new tokens; "
              f"prefill/TTFT: fresh {len(spec['prefill_prompts'][0])}-token prompt; throughput: "
              f"{len(spec['throughput_prompts'])} requests; {spec['threads']} threads; median of {spec['repeats']} "
@@ -245,6 +258,13 @@ def print_table(outcomes: list[Outcome], spec: dict) -> str:
             lines.append(f"| kvserve / {o.engine} | {_ratio(rs['decode_tok_s'], s['decode_tok_s'])} | "
                          f"{_ratio(rs['prefill_tok_s'], s['prefill_tok_s'])} | {_ratio(rs['ttft_ms'], s['ttft_ms'], True)} | "
                          f"{_ratio(rs['throughput_tok_s'], s['throughput_tok_s'])} |")
+    decode = {o.engine: summarize(o)["decode_tok_s"] for o in outcomes if not o.unavailable}
+    accept = [(a, b, target) for a, b, target in ACCEPTANCE if decode.get(a) and decode.get(b)]
+    if accept:
+        lines += ["", "| batch-1 decode tok/s | ratio | target | met |", "|---|---|---|---|"]
+        for a, b, target in accept:
+            met = "yes" if decode[a] / decode[b] >= target else "no"
+            lines.append(f"| {a} / {b} | {_ratio(decode[a], decode[b])} | >= {target:g}x | {met} |")
     notes = [(o.engine, n) for o in outcomes for n in o.result.get("notes", [])]
     notes += [(o.engine, "error: " + o.result["error"]) for o in outcomes if o.result.get("error") and not o.unavailable]
     if notes:
@@ -269,7 +289,7 @@ def _takewhile_equal(a: list[int], b: list[int]):
 
 def plot(outcomes: list[Outcome], path: Path) -> None:
     """A panel per metric that ran (decode, prefill, throughput tok/s), one bar per engine: the
-    median, with the spread of the raw runs as an error bar."""
+    median, with the spread of the raw runs as an error bar; an engine keeps its colour in every panel."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -281,21 +301,25 @@ def plot(outcomes: list[Outcome], path: Path) -> None:
     panels = [p for p in panels if any(o.result.get(p[1]) for o in ok)]  # only the metrics that ran
     if not panels:
         return
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(4.4, 1.1 * len(ok)) * len(panels), 4), squeeze=False)
     axes = axes[0]
+    colour = {o.engine: f"C{i}" for i, o in enumerate(ok)}
     for ax, (title, key, sub) in zip(axes, panels):
-        names, meds, lo, hi = [], [], [], []
+        names, meds, lo, hi, colours = [], [], [], [], []
         for o in ok:
             runs = [x[sub] if sub else x for x in o.result.get(key, [])]
             if not runs:
                 continue
             m = statistics.median(runs)
             names.append(f"{o.engine}\n{o.result.get('dtype', '')}")
+            colours.append(colour[o.engine])
             meds.append(m)
             lo.append(m - min(runs))
             hi.append(max(runs) - m)
-        bars = ax.bar(names, meds, yerr=[lo, hi], capsize=4, color=[f"C{i}" for i in range(len(names))])
+        bars = ax.bar(names, meds, yerr=[lo, hi], capsize=4, color=colours)
         ax.bar_label(bars, fmt="%.1f", padding=2)
+        ax.margins(y=0.1)  # room for the labels above the tallest bar
+        ax.tick_params(axis="x", labelsize=8)
         ax.set_title(title)
         ax.grid(True, axis="y", alpha=0.3)
     fig.suptitle("kvserve vs peers (median of runs; bars span min-max)")

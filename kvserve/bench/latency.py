@@ -64,13 +64,15 @@ def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:
 
 
 def measure(loaded, input_len: int, output_len: int, repeats: int, seed: int = 0,
-            bandwidth_gib: float = 1.0) -> LatencyResult:
+            bandwidth_gib: float = 1.0, weights: str = "float") -> LatencyResult:
+    """`weights`: EngineConfig.weights; bytes per token count the weights the engine really holds."""
     from kvserve import LLM, SamplingParams
     from kvserve.bench.throughput import make_workload
 
     cfg = loaded.config
     llm = LLM(loaded=loaded, enable_prefix_caching=False, max_num_seqs=1,
-              max_model_len=min(cfg.max_position_embeddings, input_len + output_len + 16))
+              max_model_len=min(cfg.max_position_embeddings, input_len + output_len + 16), weights=weights)
+    loaded = llm.engine.loaded  # the quantized copy when weights is int8 / int4
     # repeats + 1 distinct prompts (the first warms up), the throughput benchmark's token ids.
     prompts = make_workload(repeats + 1, (input_len, input_len), (1, 1), cfg.vocab_size, cfg.bos_token_id, seed).prompts
     llm.generate(prompts[0][:16], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
@@ -86,6 +88,7 @@ def measure(loaded, input_len: int, output_len: int, repeats: int, seed: int = 0
     bw = read_bandwidth_gbs(bandwidth_gib)
     bound = bw * 1e9 / bpt
     dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
+    dtype = dtype if weights == "float" else f"{weights} weights, {dtype}"
     return LatencyResult(dtype, input_len, output_len, ttft, input_len / ttft, decode, bpt, bw, bound,
                          decode / bound, runs)
 
@@ -107,7 +110,7 @@ def main(args) -> int:
     from kvserve.loading import load_model
 
     loaded = load_model(args.model, args.dtype)
-    result = measure(loaded, args.input_len, args.output_len, args.repeats, args.seed)
+    result = measure(loaded, args.input_len, args.output_len, args.repeats, args.seed, weights=args.weights)
     print_result(result)
     if args.json:
         path = Path(args.json)

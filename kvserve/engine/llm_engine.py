@@ -6,6 +6,7 @@ turn them into text and finish sequences, and the scheduler frees what finished.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -62,7 +63,8 @@ class LLMEngine:
         cfg = self.config
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
-        self.loaded = loaded or load_model(cfg.model, cfg.dtype, cfg.device)
+        self.loaded = self._low_bit_weights(loaded or load_model(cfg.model, cfg.dtype, cfg.device),
+                                            owned=loaded is None)
         self.model_config = mc = self.loaded.model.config
         self.tokenizer = self.loaded.tokenizer
         self._check_mla()
@@ -101,6 +103,39 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.clock = time.perf_counter  # the one monotonic clock for every timestamp
+
+    def _low_bit_weights(self, loaded: LoadedModel, owned: bool) -> LoadedModel:
+        """EngineConfig.weights int8 / int4: RTN-quantize every linear layer, the LM head and the
+        embedding, onto PyTorch's CPU int8 / int4 kernels (kvserve/quant/linear.py; a copy when
+        the caller owns the model)."""
+        kind = self.config.weights
+        if kind == "float":
+            return loaded
+        from kvserve.quant.apply import quantize_model
+        from kvserve.quant.linear import QuantLinear
+
+        model = loaded.model
+        if any(isinstance(m, QuantLinear) for m in model.modules()):
+            raise ValueError(f"weights {kind!r}: {loaded.source} is already quantized (a kvserve quant folder); "
+                             "weights int8 / int4 quantize a float model when the engine starts")
+        if not owned:
+            dtype = next(model.parameters()).dtype
+            model = build_model(loaded.config, model.state_dict(), dtype, self.config.device, loaded.source)
+        bits = 8 if kind == "int8" else 4
+        group = 128
+        if bits == 4:  # the largest group the int4 kernel takes that divides every layer's inputs
+            widths = {m.in_features for m in model.modules() if isinstance(m, torch.nn.Linear)}
+            fits = [g for g in (128, 64, 32) if all(w % g == 0 for w in widths)]
+            if not fits:
+                raise ValueError(f"weights 'int4': no group size of 128, 64 or 32 divides the layer widths "
+                                 f"{sorted(widths)} of {loaded.source}")
+            group = fits[0]
+        t = time.perf_counter()
+        quantize_model(model, "rtn", bits=bits, group_size=group, granularity="channel" if bits == 8 else "group",
+                       sym=bits == 8, lm_head=True, embedding=True, progress=False)
+        log.info("weights %s: RTN-quantized every linear, the LM head and the embedding in %.1f s", kind,
+                 time.perf_counter() - t)
+        return dataclasses.replace(loaded, model=model)
 
     def _check_mla(self) -> None:
         """MLA caches one latent per token: no per-head K/V for KV quantization or StreamingLLM."""

@@ -68,11 +68,32 @@ class CausalLM(nn.Module):
         # A module head (untied, or a quantized head from kvserve.quant) is called; a tied one
         # multiplies by the embedding table.
         head = self.lm_head
-        logits = head(hidden) if head is not None else torch.nn.functional.linear(hidden, self.embed_tokens.weight)
+        if head is None:
+            logits = head_matmul(hidden, self.embed_tokens.weight)
+        elif type(head) is nn.Linear:
+            logits = head_matmul(hidden, head.weight, head.bias)
+        else:
+            logits = head(hidden)
         cap = self.config.final_logit_softcapping
         if cap:
             return torch.tanh(logits.float() / cap) * cap
         return logits.float() if upcast else logits
+
+
+# MKL's fp32 GEMM takes a slow path for a handful of rows against a tall LM head: measured on a
+# 2-core Xeon (262144 x 640 head), 8 rows cost 121 ms and 14 rows 179 ms, 16 rows 54 ms.
+# Padding 5..15 rows to 16 keeps small decode batches (the tail of an offline run) on the fast one.
+HEAD_PAD_ROWS = 16
+
+
+def head_matmul(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """hidden [N, d] @ weight [vocab, d]^T (+ bias) -> [N, vocab], padding 5..15 rows to 16 on CPU fp32."""
+    n = hidden.shape[0]
+    if 4 < n < HEAD_PAD_ROWS and hidden.device.type == "cpu" and hidden.dtype == torch.float32:
+        padded = hidden.new_zeros(HEAD_PAD_ROWS, hidden.shape[1])
+        padded[:n] = hidden
+        return torch.nn.functional.linear(padded, weight, bias)[:n]
+    return torch.nn.functional.linear(hidden, weight, bias)
 
 
 def stored_weight_bytes(model: nn.Module) -> int:

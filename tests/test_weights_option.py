@@ -1,0 +1,112 @@
+"""EngineConfig.weights / `--weights int8|int4`: the engine RTN-quantizes every linear, the LM head
+and the embedding at start onto PyTorch's CPU int8 / int4 kernels.
+
+Oracle: the same engine over a float model whose every layer multiplies by the *dequantized*
+weight (activations rounded to bf16 first, as the kernels do): greedy tokens must be equal."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve import LLM, SamplingParams
+from kvserve.config import EngineConfig
+from kvserve.quant.embedding import QuantEmbedding
+from kvserve.quant.linear import QuantLinear
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of"]
+
+
+class DequantizedLinear(nn.Module):
+    """The oracle for one QuantLinear: fp32 matmul by its dequantized weight, the input rounded
+    to the kernel's activation dtype."""
+
+    def __init__(self, q: QuantLinear):
+        super().__init__()
+        self.weight = q.dequantized_weight()
+        self.bias = q.bias
+        self.act_dtype = q.act_dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x.to(self.act_dtype).to(x.dtype), self.weight.to(x.dtype))
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+def dequantized_copy(model: nn.Module) -> nn.Module:
+    ref = copy.deepcopy(model)
+    for name, m in list(ref.named_modules()):
+        if isinstance(m, QuantLinear):
+            parent, _, leaf = name.rpartition(".")
+            setattr(ref.get_submodule(parent) if parent else ref, leaf, DequantizedLinear(m))
+    return ref  # the QuantEmbedding keeps its lookup: it already reads dequantized rows exactly
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_greedy_equals_the_dequantized_reference(gemma, weights):
+    import dataclasses
+
+    llm = LLM(loaded=gemma, weights=weights, kv_cache_gib=0.25)
+    model = llm.engine.loaded.model
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert len(linears) == 7 * gemma.config.num_layers + 1  # q k v o gate up down per layer, the head
+    assert {m.kernel for m in linears} == {weights}
+    assert isinstance(model.embed_tokens, QuantEmbedding) and model.embed_tokens.source is model.lm_head
+    # The caller's model is untouched: the engine quantized a copy.
+    assert not any(isinstance(m, QuantLinear) for m in gemma.model.modules())
+    assert isinstance(gemma.model.embed_tokens, nn.Embedding)
+
+    ref = LLM(loaded=dataclasses.replace(gemma, model=dequantized_copy(model)), kv_cache_gib=0.25)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    want = [o.outputs[0].token_ids for o in ref.generate(PROMPTS, params)]
+    assert got == want
+    # Batched (one step for all three) and alone give the same tokens.
+    assert [llm.generate(p, params)[0].outputs[0].token_ids for p in PROMPTS] == got
+
+
+def test_weights_shrink_what_a_decode_step_reads(gemma):
+    from kvserve.model.base import stored_weight_bytes
+
+    fp32 = stored_weight_bytes(gemma.model)
+    int4 = stored_weight_bytes(LLM(loaded=gemma, weights="int4", kv_cache_gib=0.1).engine.loaded.model)
+    # Only the 640-wide norms and the bf16 scales stay beside the 4-bit codes.
+    assert int4 < 0.16 * fp32, (int4, fp32)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(weights="int3"), "weights must be one of"),
+    (dict(weights="fp32", dtype="bfloat16"), "contradicts dtype"),
+    (dict(weights="int8", device="cuda"), "device must be 'cpu'"),
+    (dict(weights="int4", speculative="self"), "speculative='self'"),
+])
+def test_bad_weights_settings_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**kwargs)
+
+
+def test_fp32_is_an_alias_of_float():
+    assert EngineConfig(weights="fp32").weights == "float"
+
+
+def test_an_already_quantized_model_is_refused(tmp_path):
+    from kvserve.loading import load_model
+    from kvserve.quant.apply import quantize_model
+    from tests.tiny_models import make_model
+
+    make_model("llama", tmp_path / "llama")
+    loaded = load_model(tmp_path / "llama")
+    quantize_model(loaded.model, "rtn", bits=8, granularity="channel", sym=True, progress=False)
+    with pytest.raises(ValueError, match="already quantized"):
+        LLM(loaded=loaded, weights="int8", kv_cache_gib=0.05)
+
+
+def test_cli_generate_with_int4_weights(tmp_path, capsys):
+    from kvserve.cli import main
+    from tests.tiny_models import make_model
+
+    make_model("llama", tmp_path / "llama")
+    assert main(["generate", "--model", str(tmp_path / "llama"), "--weights", "int4", "--max-tokens", "4",
+                 "--ignore-eos", "--kv-cache-gib", "0.05", "--quiet-metrics", "hello"]) == 0
