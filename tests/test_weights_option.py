@@ -110,3 +110,45 @@ def test_cli_generate_with_int4_weights(tmp_path, capsys):
     make_model("llama", tmp_path / "llama")
     assert main(["generate", "--model", str(tmp_path / "llama"), "--weights", "int4", "--max-tokens", "4",
                  "--ignore-eos", "--kv-cache-gib", "0.05", "--quiet-metrics", "hello"]) == 0
+
+
+def test_int8_gemv_kernel_equals_pytorchs_kernel(monkeypatch):
+    """The batch-1 C kernel: same bf16-rounded input and output as `_weight_int8pack_mm`, fp32 sums;
+    within one bf16 rounding of it and of the dequantized reference. K = 80: the 64-wide and the
+    16-wide loops both run."""
+    from kvserve.kernels import lowbit_lib
+    from kvserve.quant.rtn import quantize_rtn
+    from kvserve.quant.spec import QuantSpec
+
+    if lowbit_lib() is None:
+        pytest.skip("no C compiler")
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 80, generator=g)
+    layer = QuantLinear.from_quantized(quantize_rtn(w, QuantSpec(bits=8, sym=True, granularity="channel",
+                                                                 scale_dtype=torch.bfloat16)))
+    x = torch.randn(1, 80, generator=g)
+    x3 = torch.randn(3, 80, generator=g)
+    torch_y, torch_y3 = layer(x), layer(x3)
+    assert layer.kernel == "int8" and layer.use_gemv_kernel()
+    y = layer(x)
+    ref = x.bfloat16().float() @ layer.dequantized_weight().t()
+    tol = 2 ** -7 * ref.abs() + 1e-6  # one bf16 rounding of the output
+    assert (y - ref).abs().le(tol).all() and (y - torch_y).abs().le(2 * tol).all()
+    assert torch.equal(layer(x3), torch_y3)  # batches keep PyTorch's kernel
+    asym = QuantLinear.from_quantized(quantize_rtn(w, QuantSpec(bits=8, sym=False, granularity="channel")))
+    assert asym.kernel == "int8" and not asym.use_gemv_kernel()  # offsets: PyTorch's path only
+    monkeypatch.setenv("KVSERVE_NO_KERNELS", "1")
+    lowbit_lib.cache_clear()
+    try:
+        assert torch.equal(layer(x), torch_y)  # no kernel: PyTorch's path
+    finally:
+        lowbit_lib.cache_clear()
+
+
+def test_int8_kernel_is_not_chosen_for_widths_pytorchs_op_gets_wrong():
+    from kvserve.quant.linear import choose_kernel
+    from kvserve.quant.spec import QuantSpec
+
+    spec = QuantSpec(bits=8, sym=True, granularity="channel")
+    assert choose_kernel(spec, 96, 80) == "int8"
+    assert choose_kernel(spec, 96, 72) == "dequant"  # _weight_int8pack_mm breaks at K % 16 != 0

@@ -112,7 +112,7 @@ class LLMEngine:
         if kind == "float":
             return loaded
         from kvserve.quant.apply import quantize_model
-        from kvserve.quant.linear import QuantLinear
+        from kvserve.quant.linear import QuantLinear, use_gemv_kernels
 
         model = loaded.model
         if any(isinstance(m, QuantLinear) for m in model.modules()):
@@ -133,6 +133,7 @@ class LLMEngine:
         t = time.perf_counter()
         quantize_model(model, "rtn", bits=bits, group_size=group, granularity="channel" if bits == 8 else "group",
                        sym=bits == 8, lm_head=True, embedding=True, progress=False)
+        use_gemv_kernels(model)
         log.info("weights %s: RTN-quantized every linear, the LM head and the embedding in %.1f s", kind,
                  time.perf_counter() - t)
         return dataclasses.replace(loaded, model=model)

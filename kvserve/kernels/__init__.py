@@ -22,7 +22,6 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SRC = Path(__file__).with_name("paged_attention.c")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-fno-math-errno"]
 
 
@@ -50,26 +49,58 @@ def _compile(src: Path, out: Path) -> None:
         os.replace(tmp_out, out)  # atomic: a concurrent process never loads a half-written file
 
 
-@lru_cache(maxsize=1)
-def paged_attention_lib() -> ctypes.CDLL | None:
-    """The compiled paged-attention kernels, or None when they are unavailable."""
+def _load(name: str) -> ctypes.CDLL | None:
+    """kvserve/kernels/<name>.c compiled (once, cached) and loaded, or None when unavailable."""
     if os.environ.get("KVSERVE_NO_KERNELS") == "1":
         return None
     from kvserve.loading.cache import cache_root  # here: kvserve.loading imports the model package
 
-    key = hashlib.sha256(_SRC.read_bytes() + " ".join(_FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
-    so = cache_root() / "kernels" / f"paged_attention-{key}.so"
+    src = Path(__file__).with_name(f"{name}.c")
+    key = hashlib.sha256(src.read_bytes() + " ".join(_FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    so = cache_root() / "kernels" / f"{name}-{key}.so"
     try:
         if not so.exists():
-            _compile(_SRC, so)
-        lib = ctypes.CDLL(str(so))
+            _compile(src, so)
+        return ctypes.CDLL(str(so))
     except (OSError, RuntimeError) as e:
-        log.warning("C kernels unavailable, using the torch path: %s", e)
+        log.warning("C kernels (%s) unavailable, using the torch path: %s", name, e)
         return None
-    p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    lib.paged_decode.argtypes = [p, p, p, p, p, p, p, i, i, i, i, i, i, i, f, i, i]
-    lib.paged_decode.restype = ctypes.c_int
+
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+
+@lru_cache(maxsize=1)
+def paged_attention_lib() -> ctypes.CDLL | None:
+    """The compiled paged-attention kernels, or None when they are unavailable."""
+    lib = _load("paged_attention")
+    if lib is not None:
+        lib.paged_decode.argtypes = [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I, _I]
+        lib.paged_decode.restype = ctypes.c_int
     return lib
+
+
+@lru_cache(maxsize=1)
+def lowbit_lib() -> ctypes.CDLL | None:
+    """The batch-1 int8 weight kernel (lowbit_gemv.c), or None."""
+    lib = _load("lowbit_gemv")
+    if lib is not None:
+        lib.int8_gemv.argtypes = [_P, _P, _P, _P, _I, _I, _I]
+        lib.int8_gemv.restype = None
+    return lib
+
+
+def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
+    """y [1, N] fp32 = x [1, K] fp32 @ (scale[:, None] * qweight)^T with the C kernel; None when it
+    is unavailable. qweight int8 [N, K] (a symmetric grid), scale [N] fp32."""
+    lib = lowbit_lib()
+    if lib is None:
+        return None
+    x = x.contiguous()
+    n, k = qweight.shape[0], x.shape[1]
+    y = torch.empty(1, n, dtype=torch.float32)
+    lib.int8_gemv(x.data_ptr(), qweight.data_ptr(), scale.data_ptr(), y.data_ptr(), n, k, torch.get_num_threads())
+    return y
 
 
 def paged_decode_attention(q, k_pool, v_pool, tables, starts, lens, block_size: int, scale: float,

@@ -1,0 +1,42 @@
+/* One activation row times an int8 weight matrix (batch-1 decode), on the layout that
+ * kvserve.quant.linear.QuantLinear stores for PyTorch's `_weight_int8pack_mm`: no second copy of
+ * the weights: y[n] = scale[n] * sum_k x[k] w[n, k] with fp32 sums; w int8 [N, K] row-major
+ * (a symmetric grid), scale [N] fp32.
+ * On this project's 2-core CPU it decodes ~20% faster than PyTorch's int8 kernel; PyTorch's int4
+ * kernel was faster than a hand-written one, so int4 stays on it.
+ * AVX-512 where the compiler targets it (-march=native), a plain loop otherwise.
+ */
+#include <stdint.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define LOWBIT_AVX512 1
+#endif
+
+#ifdef LOWBIT_AVX512
+static inline __m512 cvt8(const int8_t *p) { /* 16 int8 -> 16 fp32 */
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+#endif
+
+void int8_gemv(const float *x, const int8_t *w, const float *scale, float *y, int N, int K, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int n = 0; n < N; n++) {
+        const int8_t *wr = w + (size_t)n * K;
+        float acc = 0.f;
+        int k = 0;
+#ifdef LOWBIT_AVX512
+        /* Four accumulators: one would serialize on the FMA latency. */
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (; k + 64 <= K; k += 64) {
+            a0 = _mm512_fmadd_ps(cvt8(wr + k), _mm512_loadu_ps(x + k), a0);
+            a1 = _mm512_fmadd_ps(cvt8(wr + k + 16), _mm512_loadu_ps(x + k + 16), a1);
+            a2 = _mm512_fmadd_ps(cvt8(wr + k + 32), _mm512_loadu_ps(x + k + 32), a2);
+            a3 = _mm512_fmadd_ps(cvt8(wr + k + 48), _mm512_loadu_ps(x + k + 48), a3);
+        }
+        for (; k + 16 <= K; k += 16) a0 = _mm512_fmadd_ps(cvt8(wr + k), _mm512_loadu_ps(x + k), a0);
+        acc = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+#endif
+        for (; k < K; k++) acc += x[k] * (float)wr[k];
+        y[n] = acc * scale[n];
+    }
+}
