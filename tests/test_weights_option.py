@@ -51,7 +51,7 @@ def test_greedy_equals_the_dequantized_reference(gemma, weights):
     llm = LLM(loaded=gemma, weights=weights, kv_cache_gib=0.25)
     model = llm.engine.loaded.model
     linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    assert len(linears) == 7 * gemma.config.num_layers + 1  # q k v o gate up down per layer, the head
+    assert len(linears) == 4 * gemma.config.num_layers + 1  # qkv (fused), o, gate_up (fused), down; the head
     assert {m.kernel for m in linears} == {weights}
     assert isinstance(model.embed_tokens, QuantEmbedding) and model.embed_tokens.source is model.lm_head
     # The caller's model is untouched: the engine quantized a copy.
@@ -152,3 +152,31 @@ def test_int8_kernel_is_not_chosen_for_widths_pytorchs_op_gets_wrong():
     spec = QuantSpec(bits=8, sym=True, granularity="channel")
     assert choose_kernel(spec, 96, 80) == "int8"
     assert choose_kernel(spec, 96, 72) == "dequant"  # _weight_int8pack_mm breaks at K % 16 != 0
+
+
+@pytest.mark.parametrize("kernel, spec", [
+    ("int4", dict(bits=4, sym=False, granularity="group", group_size=32)),
+    ("int8", dict(bits=8, sym=True, granularity="channel")),
+    ("int8", dict(bits=8, sym=False, granularity="channel")),
+])
+def test_fused_rows_equal_the_separate_layers(kernel, spec):
+    from kvserve.quant.fuse import concat_rows
+    from kvserve.quant.rtn import quantize_rtn
+    from kvserve.quant.spec import QuantSpec
+
+    g = torch.Generator().manual_seed(0)
+    s = QuantSpec(scale_dtype=torch.bfloat16, **spec)
+    parts = [QuantLinear.from_quantized(quantize_rtn(torch.randn(n, 64, generator=g), s)) for n in (128, 64, 64)]
+    fused = concat_rows(parts)
+    assert fused is not None and fused.kernel == kernel
+    assert torch.equal(fused.dequantized_weight(), torch.cat([p.dequantized_weight() for p in parts]))
+    x = torch.randn(5, 64, generator=g)
+    torch.testing.assert_close(fused(x), torch.cat([p(x) for p in parts], -1), rtol=1e-2, atol=1e-2)
+    # Not fusable: int4 rows off the 64-row tiles, a bias, different grids.
+    odd = QuantLinear.from_quantized(quantize_rtn(torch.randn(48, 64, generator=g), s))
+    assert (concat_rows([parts[0], odd]) is None) == (kernel == "int4")
+    biased = QuantLinear.from_quantized(quantize_rtn(torch.randn(64, 64, generator=g), s), bias=torch.zeros(64))
+    assert concat_rows([parts[0], biased]) is None
+    flipped = QuantSpec(scale_dtype=torch.bfloat16, **dict(spec, sym=not spec["sym"]))
+    other = QuantLinear.from_quantized(quantize_rtn(torch.randn(64, 64, generator=g), flipped))
+    assert concat_rows([parts[0], other]) is None

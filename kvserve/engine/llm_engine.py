@@ -107,11 +107,12 @@ class LLMEngine:
     def _low_bit_weights(self, loaded: LoadedModel, owned: bool) -> LoadedModel:
         """EngineConfig.weights int8 / int4: RTN-quantize every linear layer, the LM head and the
         embedding, onto PyTorch's CPU int8 / int4 kernels (kvserve/quant/linear.py; a copy when
-        the caller owns the model)."""
+        the caller owns the model); q/k/v and gate/up fused (kvserve/quant/fuse.py)."""
         kind = self.config.weights
         if kind == "float":
             return loaded
         from kvserve.quant.apply import quantize_model
+        from kvserve.quant.fuse import fuse_projections
         from kvserve.quant.linear import QuantLinear, use_gemv_kernels
 
         model = loaded.model
@@ -133,6 +134,7 @@ class LLMEngine:
         t = time.perf_counter()
         quantize_model(model, "rtn", bits=bits, group_size=group, granularity="channel" if bits == 8 else "group",
                        sym=bits == 8, lm_head=True, embedding=True, progress=False)
+        fuse_projections(model)  # q/k/v and gate/up: one kernel call each
         use_gemv_kernels(model)
         log.info("weights %s: RTN-quantized every linear, the LM head and the embedding in %.1f s", kind,
                  time.perf_counter() - t)

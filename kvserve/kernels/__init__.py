@@ -90,6 +90,31 @@ def lowbit_lib() -> ctypes.CDLL | None:
     return lib
 
 
+@lru_cache(maxsize=1)
+def rms_norm_lib() -> ctypes.CDLL | None:
+    """The small-batch RMSNorm kernel (rms_norm.c), or None."""
+    lib = _load("rms_norm")
+    if lib is not None:
+        lib.rms_norm.argtypes = [_P, _P, _P, _I, _I, _F, _I]
+        lib.rms_norm.restype = None
+    return lib
+
+
+def rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """x [..., d] fp32 (CPU) normalized over d, times gain [d] fp32; None when the kernel is
+    unavailable or does not apply (another dtype or device)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or gain.dtype != torch.float32:
+        return None
+    lib = rms_norm_lib()
+    if lib is None:
+        return None
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    d = x.shape[-1]
+    lib.rms_norm(x.data_ptr(), gain.data_ptr(), y.data_ptr(), x.numel() // d, d, eps, torch.get_num_threads())
+    return y
+
+
 def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
     """y [1, N] fp32 = x [1, K] fp32 @ (scale[:, None] * qweight)^T with the C kernel; None when it
     is unavailable. qweight int8 [N, K] (a symmetric grid), scale [N] fp32."""

@@ -290,6 +290,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias) if self.computes_kv else None
         self.v_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias) if self.computes_kv else None
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        # q, k and v as one low-bit matmul (kvserve/quant/fuse.py, set by the engine's --weights
+        # path, which then drops q/k/v_proj): one kernel call instead of three per decode step.
+        self.qkv_proj: nn.Module | None = None
+        self.qkv_sizes = (q_size, kv_size, kv_size)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, offset=gemma_norm)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, offset=gemma_norm) if self.computes_kv else None
@@ -305,12 +309,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
+        q, k, v = self._project(x)
         if self.q_norm is not None:
             q = self.q_norm(q)
         if self.computes_kv:
-            k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-            v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
             if self.k_norm is not None:
                 k = self.k_norm(k)
             if self.shares_kv and meta.custom is not None:
@@ -335,6 +337,17 @@ class Attention(nn.Module):
             ks, vs = ks.transpose(0, 1).to(q.dtype), vs.transpose(0, 1).to(q.dtype)  # [KVH, n_kv, D]
             out[s.q_start : s.q_start + s.q_len] = self._attend(q[s.q_start : s.q_start + s.q_len], ks, vs, mask)
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """x [T, hidden] -> q [T, H, D], k and v [T, KVH, D] (None for a layer reusing another's K/V)."""
+        T, H, KVH, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+            return q.reshape(T, H, D), k.reshape(T, KVH, D), v.reshape(T, KVH, D)
+        q = self.q_proj(x).view(T, H, D)
+        if not self.computes_kv:
+            return q, None, None
+        return q, self.k_proj(x).view(T, KVH, D), self.v_proj(x).view(T, KVH, D)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
         """q [T, H, D], k/v [KVH, L, D], mask [T, L], None or CAUSAL -> [T, H, D].

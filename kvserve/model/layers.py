@@ -7,7 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.kernels import rms_norm as rms_norm_kernel
 from kvserve.model.config import RopeConfig
+
+SMALL_NORM_ELEMENTS = 64 * 1024  # up to here (decode batches) the C kernel; prefill takes F.rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -26,9 +29,14 @@ class RMSNorm(nn.Module):
         self._gain: tuple[tuple, torch.Tensor] | None = None  # Gemma's fp32 (1 + w), see `_offset_gain`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # F.rms_norm is one op (bitwise equal to x * rsqrt(mean(x^2) + eps) [* w]); the decode step
-        # runs ~110 norms of one token, where per-op overhead is the cost.
+        # A decode step runs ~110 norms of one token, where per-op overhead is the cost: a few fp32
+        # rows go through one C call (kvserve/kernels/rms_norm.c), the rest through F.rms_norm
+        # (bitwise equal to x * rsqrt(mean(x^2) + eps) [* w]).
         dtype, shape = x.dtype, (x.shape[-1],)
+        if dtype == torch.float32 and x.numel() <= SMALL_NORM_ELEMENTS and not torch.is_grad_enabled():
+            y = rms_norm_kernel(x, self._offset_gain() if self.offset else self.weight, self.eps)
+            if y is not None:
+                return y
         if self.offset:
             return F.rms_norm(x.float(), shape, self._offset_gain(), self.eps).to(dtype)
         if dtype == torch.float32 and self.weight.dtype == torch.float32:
@@ -121,6 +129,11 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.act = activation(act)
+        # gate and up as one low-bit matmul (kvserve/quant/fuse.py; gate/up_proj are then dropped).
+        self.gate_up_proj: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(self.act(gate) * up)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,181 @@
+"""The measurements behind issue 9's decode-step choices, each A/B side by side in one process.
+
+    python benchmarks/decode_step_ab.py head-rows    # LM head GEMM: rows 1..64, plain vs padded to 16
+    python benchmarks/decode_step_ab.py fusion       # q/k/v and gate/up: separate vs one fused GEMM
+    python benchmarks/decode_step_ab.py norm         # batch-1 decode: RMSNorm as 6 ops, F.rms_norm, C kernel
+    python benchmarks/decode_step_ab.py int8-gemv    # batch-1 int8 decode: C kernel vs _weight_int8pack_mm
+    python benchmarks/decode_step_ab.py fused-decode # batch-1 int4 / int8 decode: q/k/v, gate/up fused or not
+
+GEMM timings are medians of repeated calls; the decode ones alternate A and B over --rounds
+requests of the bundled Gemma 3 270M (a 200-token prompt, 96 new tokens) and compare tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from _common import machine, save_json
+
+
+def _ms(fn: Callable[[], object], reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def head_rows(args) -> dict:
+    """The 262144 x 640 fp32 LM head against few rows: MKL's slow path and the padding around it."""
+    from kvserve.model.base import HEAD_PAD_ROWS
+
+    w = torch.randn(262144, 640)
+    out = {}
+    for m in (1, 4, 5, 6, 7, 8, 10, 12, 14, 15, 16, 32, 64):
+        x = torch.randn(m, 640)
+        padded = torch.zeros(max(m, HEAD_PAD_ROWS), 640)
+        padded[:m] = x
+        out[m] = {"plain_ms": _ms(lambda: F.linear(x, w), args.reps),
+                  "padded_ms": _ms(lambda: F.linear(padded, w)[:m], args.reps)}
+        print(f"rows {m:3d}: plain {out[m]['plain_ms']:6.1f} ms, padded to {padded.shape[0]}: "
+              f"{out[m]['padded_ms']:6.1f} ms")
+    return out
+
+
+def fusion(args) -> dict:
+    """Gemma 3 270M's projection shapes: q (1024) k, v (256 each) and gate, up (2048 each) from 640."""
+    wq, wk, wv = torch.randn(1024, 640), torch.randn(256, 640), torch.randn(256, 640)
+    wg, wu = torch.randn(2048, 640), torch.randn(2048, 640)
+    wqkv, wgu = torch.cat([wq, wk, wv]), torch.cat([wg, wu])
+    out = {}
+    for m in (1, 8, 64, 512, 2048):
+        x = torch.randn(m, 640)
+        r = {"qkv_ms": _ms(lambda: (F.linear(x, wq), F.linear(x, wk), F.linear(x, wv)), args.reps),
+             "qkv_fused_ms": _ms(lambda: F.linear(x, wqkv).split([1024, 256, 256], -1), args.reps),
+             "gate_up_ms": _ms(lambda: (F.linear(x, wg), F.linear(x, wu)), args.reps),
+             "gate_up_fused_ms": _ms(lambda: F.linear(x, wgu).chunk(2, -1), args.reps)}
+        out[m] = r
+        print(f"rows {m:4d}: qkv {r['qkv_ms']:.3f} vs fused {r['qkv_fused_ms']:.3f} ms | gate/up "
+              f"{r['gate_up_ms']:.3f} vs fused {r['gate_up_fused_ms']:.3f} ms")
+    return out
+
+
+def _decode_ab(args, label: str, variants: dict[str, Callable[[], object]]) -> dict:
+    """Alternate the variants over args.rounds requests; a variant sets the process up and
+    returns the LLM to run."""
+    from kvserve import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
+    ids = list(range(1000, 1200))
+    tok_s: dict[str, list[float]] = {k: [] for k in variants}
+    tokens = {}
+    for _ in range(args.rounds):
+        for name, setup in variants.items():
+            o = setup().generate(ids, params)[0]
+            tokens[name] = o.outputs[0].token_ids
+            tok_s[name].append(1 / o.metrics.tpot)
+    names = list(variants)
+    res = {k: {"runs": v, "median_tok_s": statistics.median(v)} for k, v in tok_s.items()}
+    res["same_tokens"] = all(tokens[n] == tokens[names[0]] for n in names)
+    print(label, {k: round(v["median_tok_s"], 2) for k, v in res.items() if isinstance(v, dict)},
+          "same tokens:", res["same_tokens"])
+    return res
+
+
+def _llm(weights: str, loaded=None):
+    from kvserve import LLM
+
+    return LLM(loaded=loaded, weights=weights, enable_prefix_caching=False, max_num_seqs=1, kv_cache_gib=0.5)
+
+
+def norm(args) -> dict:
+    """Batch-1 decode with RMSNorm as the former 6 ops, as F.rms_norm, and as the C kernel."""
+    from kvserve.model import layers
+
+    current, limit = layers.RMSNorm.forward, layers.SMALL_NORM_ELEMENTS
+
+    def six_ops(self, x):  # the former RMSNorm.forward
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (h * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * h.to(x.dtype)
+
+    out = {}
+    for weights in ("float", "int4"):
+        llm = _llm(weights)
+
+        def use(forward, small):
+            def setup():
+                layers.RMSNorm.forward, layers.SMALL_NORM_ELEMENTS = forward, small
+                return llm
+            return setup
+
+        out[weights] = _decode_ab(args, weights, {"six_ops": use(six_ops, 0), "F.rms_norm": use(current, 0),
+                                                  "C kernel": use(current, limit)})
+    return out
+
+
+def int8_gemv(args) -> dict:
+    """Batch-1 int8 decode: PyTorch's _weight_int8pack_mm vs the C kernel, one engine."""
+    from kvserve.quant.linear import QuantLinear
+
+    llm = _llm("int8")
+    layers = [m for m in llm.engine.loaded.model.modules() if isinstance(m, QuantLinear)]
+
+    def use(on: bool):
+        def setup():
+            for m in layers:
+                if on:
+                    m.use_gemv_kernel()
+                else:
+                    m._gemv = None
+            return llm
+        return setup
+
+    return _decode_ab(args, "int8", {"_weight_int8pack_mm": use(False), "C gemv": use(True)})
+
+
+def fused(args) -> dict:
+    """Batch-1 low-bit decode, q/k/v and gate/up fused or separate: two engines, same weights."""
+    import kvserve.quant.fuse as fuse
+    from kvserve.loading import load_model
+
+    loaded = load_model(None)
+    out = {}
+    for weights in ("int4", "int8"):
+        with_fusion = _llm(weights, loaded)
+        real, fuse.fuse_projections = fuse.fuse_projections, lambda model: 0
+        try:
+            separate = _llm(weights, loaded)
+        finally:
+            fuse.fuse_projections = real
+        out[weights] = _decode_ab(args, weights, {"separate": lambda: separate, "fused": lambda: with_fusion})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["head-rows", "fusion", "norm", "int8-gemv", "fused-decode"])
+    ap.add_argument("--reps", type=int, default=7, help="calls per GEMM timing (median)")
+    ap.add_argument("--rounds", type=int, default=4, help="alternating requests per decode variant")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json-dir", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    run = {"head-rows": head_rows, "fusion": fusion, "norm": norm, "int8-gemv": int8_gemv,
+           "fused-decode": fused}[args.what]
+    data = run(args)
+    print(machine())
+    save_json(f"decode_step_{args.what.replace('-', '_')}", {"results": data}, args.json_dir)
+
+
+if __name__ == "__main__":
+    main()
