@@ -116,7 +116,7 @@ def test_int8_gemv_kernel_equals_pytorchs_kernel(monkeypatch):
     """The batch-1 C kernel: same bf16-rounded input and output as `_weight_int8pack_mm`, fp32 sums;
     within one bf16 rounding of it and of the dequantized reference. K = 80: the 64-wide and the
     16-wide loops both run."""
-    from kvserve.kernels import lowbit_lib
+    from kvserve.kernels import kernel_lib, lowbit_lib
     from kvserve.quant.rtn import quantize_rtn
     from kvserve.quant.spec import QuantSpec
 
@@ -138,11 +138,11 @@ def test_int8_gemv_kernel_equals_pytorchs_kernel(monkeypatch):
     asym = QuantLinear.from_quantized(quantize_rtn(w, QuantSpec(bits=8, sym=False, granularity="channel")))
     assert asym.kernel == "int8" and not asym.use_gemv_kernel()  # offsets: PyTorch's path only
     monkeypatch.setenv("KVSERVE_NO_KERNELS", "1")
-    lowbit_lib.cache_clear()
+    kernel_lib.cache_clear()
     try:
         assert torch.equal(layer(x), torch_y)  # no kernel: PyTorch's path
     finally:
-        lowbit_lib.cache_clear()
+        kernel_lib.cache_clear()
 
 
 def test_int8_kernel_is_not_chosen_for_widths_pytorchs_op_gets_wrong():

@@ -68,36 +68,32 @@ def _load(name: str) -> ctypes.CDLL | None:
 
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+# kernels/<source>.c -> {function: (argtypes, restype)}
+_SIGNATURES: dict[str, dict[str, tuple[list, object]]] = {
+    "paged_attention": {"paged_decode": ([_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I, _I],
+                                         ctypes.c_int)},
+    "lowbit_gemv": {"int8_gemv": ([_P, _P, _P, _P, _I, _I, _I], None)},  # batch-1 int8 weights
+    "rms_norm": {"rms_norm": ([_P, _P, _P, _I, _I, _F, _I], None)},  # a few fp32 rows
+}
 
 
-@lru_cache(maxsize=1)
+@lru_cache(maxsize=None)
+def kernel_lib(source: str) -> ctypes.CDLL | None:
+    """kernels/<source>.c compiled, loaded and its functions typed (see _SIGNATURES), or None."""
+    lib = _load(source)
+    if lib is not None:
+        for name, (args, res) in _SIGNATURES[source].items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, res
+    return lib
+
+
 def paged_attention_lib() -> ctypes.CDLL | None:
-    """The compiled paged-attention kernels, or None when they are unavailable."""
-    lib = _load("paged_attention")
-    if lib is not None:
-        lib.paged_decode.argtypes = [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I, _I]
-        lib.paged_decode.restype = ctypes.c_int
-    return lib
+    return kernel_lib("paged_attention")
 
 
-@lru_cache(maxsize=1)
 def lowbit_lib() -> ctypes.CDLL | None:
-    """The batch-1 int8 weight kernel (lowbit_gemv.c), or None."""
-    lib = _load("lowbit_gemv")
-    if lib is not None:
-        lib.int8_gemv.argtypes = [_P, _P, _P, _P, _I, _I, _I]
-        lib.int8_gemv.restype = None
-    return lib
-
-
-@lru_cache(maxsize=1)
-def rms_norm_lib() -> ctypes.CDLL | None:
-    """The small-batch RMSNorm kernel (rms_norm.c), or None."""
-    lib = _load("rms_norm")
-    if lib is not None:
-        lib.rms_norm.argtypes = [_P, _P, _P, _I, _I, _F, _I]
-        lib.rms_norm.restype = None
-    return lib
+    return kernel_lib("lowbit_gemv")
 
 
 def rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor | None:
@@ -105,7 +101,7 @@ def rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor | 
     unavailable or does not apply (another dtype or device)."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or gain.dtype != torch.float32:
         return None
-    lib = rms_norm_lib()
+    lib = kernel_lib("rms_norm")
     if lib is None:
         return None
     x = x.contiguous()
