@@ -135,6 +135,12 @@ def test_int8_gemv_kernel_equals_pytorchs_kernel(monkeypatch):
     tol = 2 ** -7 * ref.abs() + 1e-6  # one bf16 rounding of the output
     assert (y - ref).abs().le(tol).all() and (y - torch_y).abs().le(2 * tol).all()
     assert torch.equal(layer(x3), torch_y3)  # batches keep PyTorch's kernel
+    # The kernel's own bf16 rounding (to nearest even) is torch's, on the way in and out.
+    from kvserve.kernels import int8_gemv
+    ties = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8)]).repeat(27)[None, :80]  # halfway cases
+    for row in (x, ties):
+        plain = int8_gemv(row.bfloat16().float(), layer.qweight, layer._gemv)
+        assert torch.equal(int8_gemv(row, layer.qweight, layer._gemv, round_bf16=True), plain.bfloat16().float())
     asym = QuantLinear.from_quantized(quantize_rtn(w, QuantSpec(bits=8, sym=False, granularity="channel")))
     assert asym.kernel == "int8" and not asym.use_gemv_kernel()  # offsets: PyTorch's path only
     monkeypatch.setenv("KVSERVE_NO_KERNELS", "1")

@@ -72,7 +72,7 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _SIGNATURES: dict[str, dict[str, tuple[list, object]]] = {
     "paged_attention": {"paged_decode": ([_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I, _I],
                                          ctypes.c_int)},
-    "lowbit_gemv": {"int8_gemv": ([_P, _P, _P, _P, _I, _I, _I], None)},  # batch-1 int8 weights
+    "lowbit_gemv": {"int8_gemv": ([_P, _P, _P, _P, _I, _I, _I, _I], None)},  # batch-1 int8 weights
     "rms_norm": {"rms_norm": ([_P, _P, _P, _I, _I, _F, _I], None)},  # a few fp32 rows
 }
 
@@ -111,16 +111,19 @@ def rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor | 
     return y
 
 
-def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
+def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+              round_bf16: bool = False) -> torch.Tensor | None:
     """y [1, N] fp32 = x [1, K] fp32 @ (scale[:, None] * qweight)^T with the C kernel; None when it
-    is unavailable. qweight int8 [N, K] (a symmetric grid), scale [N] fp32."""
+    is unavailable. qweight int8 [N, K] (a symmetric grid), scale [N] fp32. round_bf16: x and y
+    rounded to bfloat16 values (kept in fp32), as PyTorch's int8 kernel rounds them."""
     lib = lowbit_lib()
     if lib is None:
         return None
     x = x.contiguous()
     n, k = qweight.shape[0], x.shape[1]
     y = torch.empty(1, n, dtype=torch.float32)
-    lib.int8_gemv(x.data_ptr(), qweight.data_ptr(), scale.data_ptr(), y.data_ptr(), n, k, torch.get_num_threads())
+    lib.int8_gemv(x.data_ptr(), qweight.data_ptr(), scale.data_ptr(), y.data_ptr(), n, k, torch.get_num_threads(),
+                  int(round_bf16))
     return y
 
 

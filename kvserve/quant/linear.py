@@ -270,6 +270,9 @@ class QuantLinear(nn.Module):
             return None
         from kvserve.kernels import int8_gemv
 
+        if x2.dtype == torch.float32 and self.act_dtype == torch.bfloat16:
+            # The kernel rounds x and y to bf16 values itself, as PyTorch's kernel does.
+            return int8_gemv(x2, self.qweight, self._gemv, round_bf16=True)
         y = int8_gemv(x2.to(self.act_dtype).float(), self.qweight, self._gemv)
         return None if y is None else y.to(self.act_dtype)  # PyTorch's kernels return act_dtype too
 
