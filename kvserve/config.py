@@ -41,6 +41,10 @@ class EngineConfig:
     # Every linear layer, the LM head and the token embedding included. A model handed in as
     # `loaded` is copied first, not changed.
     weights: str = "float"
+    # CPU fp32: keep every weight matrix (the tied LM head too) also packed for the decode-step
+    # kernel (kvserve/model/panels.py): 1.2-4x MKL for steps of 1-128 sequences, for one more
+    # copy of the fp32 weights in memory. A model handed in as `loaded` gets its copies too.
+    pack_weights: bool = True
     # Sliding-window layers give back the KV blocks that fall wholly out of their window (one
     # block table per layer group, see kvserve/model/config.py `kv_layer_groups`). False = every
     # layer keeps every block (one table), the behaviour before; also off without a KV cache

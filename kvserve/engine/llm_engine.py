@@ -24,6 +24,7 @@ from kvserve.loading import LoadedModel, load_model
 from kvserve.loading.loader import build_model, resolve_dtype
 from kvserve.model.attention import KVCache
 from kvserve.model.config import LayerGroup, kv_layer_groups
+from kvserve.model.panels import use_panel_kernels
 from kvserve.model.streaming import StreamPolicy, layer_policies
 from kvserve.sampling import Sampler, SamplingRequest
 from kvserve.sampling.sampler import penalizes as _needs_penalties
@@ -65,6 +66,7 @@ class LLMEngine:
             torch.set_num_threads(cfg.num_threads)
         self.loaded = self._low_bit_weights(loaded or load_model(cfg.model, cfg.dtype, cfg.device),
                                             owned=loaded is None)
+        self._pack_weights(self.loaded.model, "model")
         self.model_config = mc = self.loaded.model.config
         self.tokenizer = self.loaded.tokenizer
         self._check_mla()
@@ -103,6 +105,17 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.clock = time.perf_counter  # the one monotonic clock for every timestamp
+
+    def _pack_weights(self, model: torch.nn.Module, what: str) -> None:
+        """EngineConfig.pack_weights: fp32 weights on the CPU also packed for decode steps
+        (kvserve/model/panels.py)."""
+        cfg = self.config
+        if not cfg.pack_weights or cfg.device != "cpu" or next(model.parameters()).dtype != torch.float32:
+            return
+        t = time.perf_counter()
+        n = use_panel_kernels(model)
+        if n:
+            log.info("%s: %d weight matrices packed for decode steps in %.1f s", what, n, time.perf_counter() - t)
 
     def _low_bit_weights(self, loaded: LoadedModel, owned: bool) -> LoadedModel:
         """EngineConfig.weights int8 / int4: RTN-quantize every linear layer, the LM head and the
@@ -446,6 +459,7 @@ class LLMEngine:
             cache = KVCache(num_layers, self.kv_cache.num_slots, heads, k_dim, kv_dtype, cfg.device, v_head_dim=v_dim,
                             kv_source=dc.kv_source)
         log.info("%s: its own KV pool %.2f GiB (same block tables as the target)", what, cache.nbytes / 2**30)
+        self._pack_weights(draft, "draft")
         self.draft_runner = ModelRunner(draft, cache, cfg.block_size, cfg.device)
         return ModelDrafter(self.draft_runner, num_layers=exit_at, separate_cache=True)
 

@@ -74,6 +74,10 @@ _SIGNATURES: dict[str, dict[str, tuple[list, object]]] = {
                                          ctypes.c_int)},
     "lowbit_gemv": {"int8_gemv": ([_P, _P, _P, _P, _I, _I, _I, _I], None)},  # batch-1 int8 weights
     "rms_norm": {"rms_norm": ([_P, _P, _P, _I, _I, _F, _I], None)},  # a few fp32 rows
+    "argmax": {"argmax_rows": ([_P, _P, _I, ctypes.c_int64, _I], None)},  # greedy picks
+    "panel_gemm": {"panel_width": ([], ctypes.c_int),  # fp32 decode-step matmuls on packed weights
+                   "pack_panels": ([_P, _P, _I, _I, _I], None),
+                   "panel_gemm": ([_P, _P, _P, _I, _I, _I, _I], None)},
 }
 
 
@@ -124,6 +128,55 @@ def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     y = torch.empty(1, n, dtype=torch.float32)
     lib.int8_gemv(x.data_ptr(), qweight.data_ptr(), scale.data_ptr(), y.data_ptr(), n, k, torch.get_num_threads(),
                   int(round_bf16))
+    return y
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """x [M, N] fp32 (CPU) -> [M] int64: each row's first index of its maximum (a NaN counts as
+    the maximum), what torch's max(dim=-1).indices gives; None when the kernel does not apply."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] == 0:
+        return None
+    lib = kernel_lib("argmax")
+    if lib is None:
+        return None
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    lib.argmax_rows(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads())
+    return out
+
+
+def _panel_lib() -> tuple[ctypes.CDLL, int] | None:
+    lib = kernel_lib("panel_gemm")
+    width = lib.panel_width() if lib is not None else 0
+    return (lib, width) if width else None  # 0: built without AVX-512 or AVX2 + FMA
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
+    """weight [N, K] fp32 (CPU) -> its copy packed for `panel_matmul`: [ceil(N / W), K, W] with W
+    output columns per panel (32 with AVX-512, 16 with AVX2), the last panel zero-padded; None
+    when the kernel is unavailable."""
+    found = _panel_lib()
+    if found is None or weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
+        return None
+    lib, width = found
+    w = weight.detach().contiguous()
+    n, k = w.shape
+    packed = torch.empty(-(-n // width), k, width, dtype=torch.float32)
+    lib.pack_panels(w.data_ptr(), packed.data_ptr(), n, k, torch.get_num_threads())
+    return packed
+
+
+def panel_matmul(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """x [M, K] fp32 (CPU) @ the packed [N, K] weight^T -> [M, N] (kvserve/kernels/panel_gemm.c).
+    Every output is the same FMA chain over K whatever M: a row's result does not depend on the
+    batch it is in."""
+    found = _panel_lib()
+    assert found is not None and packed.shape[0] * packed.shape[2] >= n, "pack_panels first"
+    lib, _ = found
+    x = x.contiguous()
+    m, k = x.shape
+    y = torch.empty(m, n, dtype=torch.float32)
+    lib.panel_gemm(x.data_ptr(), packed.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads())
     return y
 
 

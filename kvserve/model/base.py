@@ -13,12 +13,14 @@ from torch import nn
 from kvserve.model.attention import AttentionMetadata, KVCache
 from kvserve.model.config import ModelConfig
 from kvserve.model.layers import RMSNorm, RotaryEmbedding
+from kvserve.model.panels import Panels
 
 
 class CausalLM(nn.Module):
     layer_cls: type[nn.Module]
     gemma_norm: bool = False  # RMSNorm weights stored as (w - 1), applied as (1 + w)
     scale_embedding: bool = False  # multiply embeddings by sqrt(hidden_size)
+    head_panels: Panels | None = None  # a tied head packed for decode steps (model/panels.py)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -69,7 +71,7 @@ class CausalLM(nn.Module):
         # multiplies by the embedding table.
         head = self.lm_head
         if head is None:
-            logits = head_matmul(hidden, self.embed_tokens.weight)
+            logits = head_matmul(hidden, self.embed_tokens.weight, panels=self.head_panels)
         elif type(head) is nn.Linear:
             logits = head_matmul(hidden, head.weight, head.bias)
         else:
@@ -86,8 +88,14 @@ class CausalLM(nn.Module):
 HEAD_PAD_ROWS = 16
 
 
-def head_matmul(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """hidden [N, d] @ weight [vocab, d]^T (+ bias) -> [N, vocab], padding 5..15 rows to 16 on CPU fp32."""
+def head_matmul(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                panels: Panels | None = None) -> torch.Tensor:
+    """hidden [N, d] @ weight [vocab, d]^T (+ bias) -> [N, vocab]: the packed copy's kernel for a
+    decode step when there is one, else MKL, padding 5..15 rows to 16 on CPU fp32."""
+    if panels is not None:
+        logits = panels.matmul(hidden, bias)
+        if logits is not None:
+            return logits
     n = hidden.shape[0]
     if 4 < n < HEAD_PAD_ROWS and hidden.device.type == "cpu" and hidden.dtype == torch.float32:
         padded = hidden.new_zeros(HEAD_PAD_ROWS, hidden.shape[1])

@@ -172,7 +172,9 @@ def _prune_pass(model: nn.Module, method: str, sparsity: float | None, pattern: 
                                    input_norms=norms.get(name), per=per, percdamp=percdamp, blocksize=blocksize,
                                    name=full)
                 err = _output_error(w, new, hessians.get(name))
-                lin.weight.data.copy_(new.to(lin.weight.dtype))  # copy_: keeps the weight's memory layout
+                # In place (keeps the memory layout) through detach(), which shares the version counter:
+                # a packed copy of the weight (model/panels.py) sees the change.
+                lin.weight.detach().copy_(new.to(lin.weight.dtype))
                 reports.append(LayerPruneReport(full, (lin.out_features, lin.in_features),
                                                 float((lin.weight == 0).sum()) / lin.weight.numel(), err))
     return reports

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve import kernels
 from kvserve.sampling_params import SamplingParams
 
 
@@ -225,9 +226,11 @@ class Sampler:
             )
         if all(_plain_greedy(r) for r in requests):  # the common case: no fp32 copy of [N, V]
             n = len(requests)
-            # max(dim).indices, not argmax: same first-index tie rule, but torch's CPU argmax
+            # fp32 on the CPU: kvserve's C kernel (memory speed; torch's max reads ~4 GB/s here).
+            # Else max(dim).indices, not argmax: same first-index tie rule, but torch's CPU argmax
             # over bf16 is ~6x slower than max (27 vs 4.7 ms for [64, 262144] here).
-            tokens = logits.max(dim=-1).indices.tolist()
+            picked = kernels.argmax_rows(logits)
+            tokens = (logits.max(dim=-1).indices if picked is None else picked).tolist()
             return SamplerOutput(token_ids=tokens, logprobs=[None] * n, top_logprobs=[None] * n)
         raw = logits.float()
         processed = apply_penalties(raw, requests, self.eos_token_ids)

@@ -1,0 +1,114 @@
+/* y [M, N] = x [M, K] @ w [N, K]^T in fp32 for the few rows of a decode step, on a copy of w
+ * packed once into panels of PW output columns: wp [ceil(N / PW), K, PW], the last panel
+ * zero-padded.
+ *
+ * Why: a decode step multiplies 1..128 rows by every weight matrix. MKL's sgemm packs the weight
+ * on every call and takes slow paths for a handful of rows (the 262144 x 640 LM head: 8 rows as
+ * slow as 64); against pre-packed panels each step only streams them once. A tile of MR rows x PW
+ * columns keeps 2 * MR accumulator registers; for each k it loads one panel row (two vectors) and
+ * broadcasts x[i, k] of each row i. Every output is one fp32 FMA chain over k = 0 .. K-1, whatever
+ * the tile and thread, so a row gets bitwise the same result alone or in any batch.
+ * Measured on this project's 2-core Xeon (docs/BENCHMARKS.md): 1.2-4x MKL for 5-64 rows.
+ *
+ * AVX-512 (PW 32, MR 12) or AVX2 + FMA (PW 16, MR 6); panel_width() is 0 without either, and the
+ * caller keeps PyTorch's matmul.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+typedef __m512 vec;
+#define VW 16
+#define MR 12
+#define VLOAD _mm512_loadu_ps
+#define VSTORE _mm512_storeu_ps
+#define VBCAST _mm512_set1_ps
+#define VFMA _mm512_fmadd_ps
+#define VZERO _mm512_setzero_ps
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+typedef __m256 vec;
+#define VW 8
+#define MR 6
+#define VLOAD _mm256_loadu_ps
+#define VSTORE _mm256_storeu_ps
+#define VBCAST _mm256_set1_ps
+#define VFMA _mm256_fmadd_ps
+#define VZERO _mm256_setzero_ps
+#endif
+
+#ifdef VW
+#define PW (2 * VW)
+#define PREFETCH_BYTES 4096
+
+int panel_width(void) { return PW; }
+
+void pack_panels(const float *w, float *wp, int N, int K, int threads) {
+    const int P = (N + PW - 1) / PW;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int p = 0; p < P; p++)
+        for (int j = 0; j < PW; j++) {
+            const int n = p * PW + j;
+            float *dst = wp + (size_t)p * K * PW + j;
+            for (int k = 0; k < K; k++) dst[(size_t)k * PW] = n < N ? w[(size_t)n * K + k] : 0.f;
+        }
+}
+
+/* Rows [0, mr) of x against one panel; ncols (<= PW) of the outputs are real. first: the panel's
+ * first pass, which streams it from memory (later passes find it in L2). */
+static inline __attribute__((always_inline)) void tile(const float *x, const float *panel, float *y, int K, int ldy,
+                                                      int ncols, int first, const int mr) {
+    vec a0[MR], a1[MR];
+    for (int i = 0; i < mr; i++) a0[i] = a1[i] = VZERO();
+    for (int k = 0; k < K; k++) {
+        const float *row = panel + (size_t)k * PW;
+        if (first) __builtin_prefetch((const char *)row + PREFETCH_BYTES);
+        const vec w0 = VLOAD(row), w1 = VLOAD(row + VW);
+        for (int i = 0; i < mr; i++) {
+            const vec xb = VBCAST(x[(size_t)i * K + k]);
+            a0[i] = VFMA(xb, w0, a0[i]);
+            a1[i] = VFMA(xb, w1, a1[i]);
+        }
+    }
+    for (int i = 0; i < mr; i++) {
+        float *dst = y + (size_t)i * ldy;
+        if (ncols == PW) {
+            VSTORE(dst, a0[i]);
+            VSTORE(dst + VW, a1[i]);
+        } else { /* the zero-padded last panel */
+            float tmp[PW];
+            VSTORE(tmp, a0[i]);
+            VSTORE(tmp + VW, a1[i]);
+            memcpy(dst, tmp, sizeof(float) * (size_t)ncols);
+        }
+    }
+}
+
+#define ROWS(r) case r: tile(xm, panel, ym, K, N, ncols, m == 0, r); break;
+
+void panel_gemm(const float *x, const float *wp, float *y, int M, int N, int K, int threads) {
+    const int P = (N + PW - 1) / PW;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int p = 0; p < P; p++) {
+        const float *panel = wp + (size_t)p * K * PW;
+        const int ncols = N - p * PW < PW ? N - p * PW : PW;
+        for (int m = 0; m < M; m += MR) {
+            const float *xm = x + (size_t)m * K;
+            float *ym = y + (size_t)m * N + (size_t)p * PW;
+            switch (M - m < MR ? M - m : MR) {
+                ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6)
+#if MR > 6
+                ROWS(7) ROWS(8) ROWS(9) ROWS(10) ROWS(11) ROWS(12)
+#endif
+            }
+        }
+    }
+}
+#else
+int panel_width(void) { return 0; }
+void pack_panels(const float *w, float *wp, int N, int K, int threads) { (void)w, (void)wp, (void)N, (void)K, (void)threads; }
+void panel_gemm(const float *x, const float *wp, float *y, int M, int N, int K, int threads) {
+    (void)x, (void)wp, (void)y, (void)M, (void)N, (void)K, (void)threads;
+}
+#endif
