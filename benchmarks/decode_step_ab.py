@@ -5,6 +5,9 @@
     python benchmarks/decode_step_ab.py norm         # batch-1 decode: RMSNorm as 6 ops, F.rms_norm, C kernel
     python benchmarks/decode_step_ab.py int8-gemv    # batch-1 int8 decode: C kernel vs _weight_int8pack_mm
     python benchmarks/decode_step_ab.py fused-decode # batch-1 int4 / int8 decode: q/k/v, gate/up fused or not
+    python benchmarks/decode_step_ab.py panels       # fp32 GEMMs of 1..128 rows: MKL vs the packed-panel kernel
+    python benchmarks/decode_step_ab.py packed-decode  # batch-1 fp32 decode, pack_weights off / on
+    python benchmarks/decode_step_ab.py argmax       # greedy pick over [rows, 262144]: torch max vs the C kernel
 
 GEMM timings are medians of repeated calls; the decode ones alternate A and B over --rounds
 requests of the bundled Gemma 3 270M (a 200-token prompt, 96 new tokens) and compare tokens.
@@ -161,9 +164,71 @@ def fused(args) -> dict:
     return out
 
 
+def _interleaved_ms(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
+    """Median ms of each function, calls interleaved so machine drift hits all alike."""
+    for f in fns.values():
+        f()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, f in fns.items():
+            t = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+
+
+def panels(args) -> dict:
+    """Gemma 3 270M's fp32 matrices (the tied head, q/k/v, o, gate/up, down) against 1..128 rows:
+    F.linear (MKL; the head as the engine ran it before, 5..15 rows padded to 16) vs panel_matmul."""
+    from kvserve import kernels
+    from kvserve.model.base import head_matmul
+
+    out = {}
+    for name, (n, k) in {"head": (262144, 640), "qkv": (1536, 640), "o": (640, 1024), "gate_up": (4096, 640),
+                         "down": (640, 2048)}.items():
+        w = torch.randn(n, k)
+        packed = kernels.pack_panels(w)
+        for m in (1, 4, 8, 16, 32, 64, 128):
+            x = torch.randn(m, k)
+            mkl = (lambda: head_matmul(x, w)) if name == "head" else (lambda: F.linear(x, w))
+            r = _interleaved_ms({"mkl": mkl, "panels": lambda: kernels.panel_matmul(x, packed, n)}, args.reps)
+            r["speedup"] = r["mkl"] / r["panels"]
+            out[f"{name} {n}x{k} rows {m}"] = r
+            print(f"{name:8s} {n}x{k} rows {m:3d}: MKL {r['mkl']:8.2f} ms, panels {r['panels']:8.2f} ms "
+                  f"({r['speedup']:.2f}x, {2 * m * n * k / r['panels'] / 1e6:.0f} GFLOP/s)")
+    return out
+
+
+def packed_decode(args) -> dict:
+    """Batch-1 fp32 decode of two engines on separately loaded copies: weights packed or not."""
+    from kvserve import LLM
+    from kvserve.loading import load_model
+
+    def llm(pack: bool):
+        return LLM(loaded=load_model(None), pack_weights=pack, enable_prefix_caching=False, max_num_seqs=1,
+                   kv_cache_gib=0.5)
+
+    plain, packed = llm(False), llm(True)
+    return {"fp32": _decode_ab(args, "fp32", {"MKL": lambda: plain, "panels": lambda: packed})}
+
+
+def argmax(args) -> dict:
+    from kvserve import kernels
+
+    out = {}
+    for m in (1, 8, 64):
+        x = torch.randn(m, 262144)
+        r = _interleaved_ms({"torch max": lambda: x.max(dim=-1).indices, "C argmax": lambda: kernels.argmax_rows(x)},
+                            args.reps)
+        out[f"rows {m}"] = r
+        print(f"[{m}, 262144]: torch max {r['torch max']:.2f} ms, C argmax {r['C argmax']:.2f} ms")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["head-rows", "fusion", "norm", "int8-gemv", "fused-decode"])
+    ap.add_argument("what", choices=["head-rows", "fusion", "norm", "int8-gemv", "fused-decode", "panels",
+                                     "packed-decode", "argmax"])
     ap.add_argument("--reps", type=int, default=7, help="calls per GEMM timing (median)")
     ap.add_argument("--rounds", type=int, default=4, help="alternating requests per decode variant")
     ap.add_argument("--threads", type=int, default=2)
@@ -171,7 +236,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     run = {"head-rows": head_rows, "fusion": fusion, "norm": norm, "int8-gemv": int8_gemv,
-           "fused-decode": fused}[args.what]
+           "fused-decode": fused, "panels": panels, "packed-decode": packed_decode, "argmax": argmax}[args.what]
     data = run(args)
     print(machine())
     save_json(f"decode_step_{args.what.replace('-', '_')}", {"results": data}, args.json_dir)

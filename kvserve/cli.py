@@ -31,6 +31,9 @@ def _add_weights_arg(p: argparse.ArgumentParser) -> None:
                    help="float: as loaded, in --dtype (fp32: the same, for --dtype float32); int8 / int4: RTN-quantize "
                         "every linear, the LM head and the embedding at start (int8 per channel, int4 groups of 128) "
                         "onto PyTorch's CPU int8 / int4 kernels")
+    p.add_argument("--no-pack-weights", dest="pack_weights", action="store_false",
+                   help="CPU fp32: do not keep the packed copy of the weights for decode steps (saves one copy of "
+                        "the fp32 weights in memory; decode steps of several sequences get slower)")
 
 
 def _add_speculative_args(p: argparse.ArgumentParser) -> None:
@@ -55,7 +58,7 @@ def decoding_config(args: argparse.Namespace) -> dict:
                 self_draft_layers=args.self_draft_layers, self_draft_dtype=args.self_draft_dtype,
                 self_draft_bits=args.self_draft_bits,
                 attention_sinks=args.attention_sinks, streaming_window=args.streaming_window,
-                kv_cache_dtype=args.kv_cache_dtype, weights=args.weights)
+                kv_cache_dtype=args.kv_cache_dtype, weights=args.weights, pack_weights=args.pack_weights)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -130,3 +130,17 @@ def test_engine_packs_fp32_cpu_weights_only_when_asked(tmp_path):
     assert [packed.generate(p, params)[0].outputs[0].token_ids for p in prompts] == want
     bf16 = LLM(model=str(tmp_path / "llama"), dtype="bfloat16", kv_cache_gib=0.05)
     assert not any(isinstance(m, PanelLinear) for m in bf16.engine.loaded.model.modules())
+
+
+def test_cli_no_pack_weights_flag(tmp_path, monkeypatch):
+    import kvserve.engine.llm_engine as llm_engine
+    from kvserve.cli import main
+    from tests.tiny_models import make_model
+
+    make_model("llama", tmp_path / "llama")
+    packed = []
+    monkeypatch.setattr(llm_engine, "use_panel_kernels", lambda model: packed.append(model) or 0)
+    base = ["generate", "--model", str(tmp_path / "llama"), "--max-tokens", "2", "--ignore-eos", "--kv-cache-gib",
+            "0.05", "--quiet-metrics", "hello"]
+    assert main(base[:1] + ["--no-pack-weights"] + base[1:]) == 0 and packed == []
+    assert main(base) == 0 and len(packed) == 1

@@ -64,14 +64,15 @@ def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:
 
 
 def measure(loaded, input_len: int, output_len: int, repeats: int, seed: int = 0,
-            bandwidth_gib: float = 1.0, weights: str = "float") -> LatencyResult:
-    """`weights`: EngineConfig.weights; bytes per token count the weights the engine really holds."""
+            bandwidth_gib: float = 1.0, weights: str = "float", pack_weights: bool = True) -> LatencyResult:
+    """`weights`, `pack_weights`: EngineConfig's; bytes per token count the weights the engine really holds."""
     from kvserve import LLM, SamplingParams
     from kvserve.bench.throughput import make_workload
 
     cfg = loaded.config
     llm = LLM(loaded=loaded, enable_prefix_caching=False, max_num_seqs=1,
-              max_model_len=min(cfg.max_position_embeddings, input_len + output_len + 16), weights=weights)
+              max_model_len=min(cfg.max_position_embeddings, input_len + output_len + 16), weights=weights,
+              pack_weights=pack_weights)
     loaded = llm.engine.loaded  # the quantized copy when weights is int8 / int4
     # repeats + 1 distinct prompts (the first warms up), the throughput benchmark's token ids.
     prompts = make_workload(repeats + 1, (input_len, input_len), (1, 1), cfg.vocab_size, cfg.bos_token_id, seed).prompts
@@ -110,7 +111,8 @@ def main(args) -> int:
     from kvserve.loading import load_model
 
     loaded = load_model(args.model, args.dtype)
-    result = measure(loaded, args.input_len, args.output_len, args.repeats, args.seed, weights=args.weights)
+    result = measure(loaded, args.input_len, args.output_len, args.repeats, args.seed, weights=args.weights,
+                     pack_weights=args.pack_weights)
     print_result(result)
     if args.json:
         path = Path(args.json)
