@@ -209,13 +209,17 @@ def test_without_usage_chunk_counts_content_chunks(fake):
 def test_poisson_pacing_follows_seeded_schedule(fake):
     url, state = fake
     n, rate, seed = 16, 40.0, 7
-    results, duration = _run(url, _requests(n, output_len=2), rate=rate, seed=seed)
     planned = arrival_offsets(n, rate, seed)
+    for attempt in range(2):
+        state.arrivals.clear()
+        results, duration = _run(url, _requests(n, output_len=2), rate=rate, seed=seed)
+        late = [r.sent_s - r.scheduled_s for r in results]
+        # A stall of the shared host delays every send after it (fresh-clone runs on the 2-core dev
+        # VM saw 0.6-0.9 s once each, in 16 sends over 0.4 s): one more run, same bounds.
+        if max(late) < 0.25:
+            break
     assert [r.scheduled_s for r in results] == planned
-    late = [r.sent_s - r.scheduled_s for r in results]
-    # Never early; on time as a rule. One send may be late by a stall of the shared host (a 0.9 s
-    # one was seen on the 2-core dev VM), so the bound is on all but the latest.
-    assert min(late) >= -1e-3 and np.median(late) < 0.02 and sorted(late)[-2] < 0.25, late
+    assert min(late) >= -1e-3 and np.median(late) < 0.02 and max(late) < 0.25, late
     seen = np.sort(np.array(state.arrivals) - state.arrivals[0])  # as the server saw them
     assert np.median(np.abs(seen - (np.array(planned) - planned[0]))) < 0.02
     assert planned[-1] <= duration <= planned[-1] + 1.5
