@@ -8,6 +8,8 @@
     python benchmarks/decode_step_ab.py panels       # fp32 GEMMs of 1..128 rows: MKL vs the packed-panel kernel
     python benchmarks/decode_step_ab.py packed-decode  # batch-1 fp32 decode, pack_weights off / on
     python benchmarks/decode_step_ab.py argmax       # greedy pick over [rows, 262144]: torch max vs the C kernel
+    python benchmarks/decode_step_ab.py fused-step   # batch-1 fp32 / int8 decode: the per-layer torch ops
+                                                     # vs the fused prologue, residual norms, q/k/v panels
 
 GEMM timings are medians of repeated calls; the decode ones alternate A and B over --rounds
 requests of the bundled Gemma 3 270M (a 200-token prompt, 96 new tokens) and compare tokens.
@@ -212,6 +214,49 @@ def packed_decode(args) -> dict:
     return {"fp32": _decode_ab(args, "fp32", {"MKL": lambda: plain, "panels": lambda: packed})}
 
 
+def fused_step(args) -> dict:
+    """Batch-1 decode with the attention prologue (q/k norms, RoPE, K/V write) and the residual
+    norms as torch ops and q/k/v, gate/up as separate packed matrices (fp32), vs the fused C
+    kernels and stacked panels: two engines on separately loaded copies, alternating."""
+    from kvserve import LLM
+    from kvserve.loading import load_model
+    from kvserve.model.attention import Attention
+    from kvserve.model.layers import GatedMLP, RMSNorm
+    from kvserve.model.panels import Panels
+
+    fused_prologue, add_to = Attention._fused_prologue, RMSNorm.add_to
+
+    def llm(weights: str, fuse: bool):
+        engine = LLM(loaded=load_model(None), weights=weights, enable_prefix_caching=False, max_num_seqs=1,
+                     kv_cache_gib=0.5)
+        if not fuse:  # back to one packed copy per Linear
+            for m in engine.engine.loaded.model.modules():
+                for name, parts in (("qkv_panels", ("q_proj", "k_proj", "v_proj")),
+                                    ("gate_up_panels", ("gate_proj", "up_proj"))):
+                    if isinstance(m, (Attention, GatedMLP)) and getattr(m, name, None) is not None:
+                        setattr(m, name, None)
+                        for p in parts:
+                            getattr(m, p).panels = Panels.pack(getattr(m, p).weight)
+        return engine
+
+    def use(engine, fuse: bool):
+        def setup():
+            Attention._fused_prologue = fused_prologue if fuse else (lambda self, *a: None)
+            RMSNorm.add_to = add_to if fuse else (lambda self, residual, x: residual + self(x))
+            return engine
+        return setup
+
+    out = {}
+    try:
+        for weights in args.weights.split(","):
+            ops, fused = llm(weights, False), llm(weights, True)
+            out[weights] = _decode_ab(args, weights, {"torch ops": use(ops, False), "fused": use(fused, True)})
+            del ops, fused
+    finally:
+        Attention._fused_prologue, RMSNorm.add_to = fused_prologue, add_to
+    return out
+
+
 def argmax(args) -> dict:
     from kvserve import kernels
 
@@ -228,15 +273,17 @@ def argmax(args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["head-rows", "fusion", "norm", "int8-gemv", "fused-decode", "panels",
-                                     "packed-decode", "argmax"])
+                                     "packed-decode", "argmax", "fused-step"])
     ap.add_argument("--reps", type=int, default=7, help="calls per GEMM timing (median)")
     ap.add_argument("--rounds", type=int, default=4, help="alternating requests per decode variant")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--weights", default="fp32,int8", help="fused-step: the engines' --weights")
     ap.add_argument("--json-dir", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     run = {"head-rows": head_rows, "fusion": fusion, "norm": norm, "int8-gemv": int8_gemv,
-           "fused-decode": fused, "panels": panels, "packed-decode": packed_decode, "argmax": argmax}[args.what]
+           "fused-decode": fused, "panels": panels, "packed-decode": packed_decode, "argmax": argmax,
+           "fused-step": fused_step}[args.what]
     data = run(args)
     print(machine())
     save_json(f"decode_step_{args.what.replace('-', '_')}", {"results": data}, args.json_dir)

@@ -144,3 +144,35 @@ def test_cli_no_pack_weights_flag(tmp_path, monkeypatch):
             "0.05", "--quiet-metrics", "hello"]
     assert main(base[:1] + ["--no-pack-weights"] + base[1:]) == 0 and packed == []
     assert main(base) == 0 and len(packed) == 1
+
+
+@needs_panels
+def test_qkv_and_gate_up_stacked_panels_equal_separate_ones(tmp_path):
+    """q/k/v and gate/up packed as one matrix each: bitwise the outputs of separately packed
+    matrices, the Linears' own copies dropped, idempotent, and repacked after an in-place change."""
+    from kvserve.model.attention import Attention
+    from kvserve.model.layers import GatedMLP
+
+    model = _tiny_model(tmp_path / "llama")
+    use_panel_kernels(model)
+    attn = next(m for m in model.modules() if isinstance(m, Attention))
+    mlp = next(m for m in model.modules() if isinstance(m, GatedMLP))
+    assert attn.qkv_panels is not None and mlp.gate_up_panels is not None
+    assert attn.q_proj.panels is None and mlp.up_proj.panels is None  # one packed copy each
+    x = torch.randn(3, model.config.hidden_size)
+    with torch.no_grad():
+        for stacked, linears in ((attn.qkv_panels, (attn.q_proj, attn.k_proj, attn.v_proj)),
+                                 (mlp.gate_up_panels, (mlp.gate_proj, mlp.up_proj))):
+            alone = torch.cat([kernels.panel_matmul(x, kernels.pack_panels(m.weight), m.weight.shape[0])
+                               for m in linears], dim=-1)
+            assert torch.equal(stacked.matmul(x), alone)
+            # Prefill-sized inputs: the Linears themselves (MKL) still work.
+            big = torch.randn(MAX_PANEL_ROWS + 1, model.config.hidden_size)
+            torch.testing.assert_close(linears[0](big), big @ linears[0].weight.t(), rtol=1e-5, atol=1e-5)
+        before = attn.qkv_panels
+        use_panel_kernels(model)
+        assert attn.qkv_panels is before  # a second engine on the same model packs nothing again
+        q, k, v = attn._project(x)
+        attn.k_proj.weight.detach().mul_(2)
+        q2, k2, v2 = attn._project(x)
+        assert torch.equal(q2, q) and torch.equal(v2, v) and torch.equal(k2, 2 * k)

@@ -22,7 +22,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-fno-math-errno"]
+# -ffp-contract=off (also C11's default): no fused multiply-adds the source did not ask for, so
+# elementwise kernels round like torch's ops (rope_cache.c is bitwise the torch path).
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-fno-math-errno", "-ffp-contract=off"]
 
 
 def _cpu_signature() -> str:
@@ -56,7 +58,9 @@ def _load(name: str) -> ctypes.CDLL | None:
     from kvserve.loading.cache import cache_root  # here: kvserve.loading imports the model package
 
     src = Path(__file__).with_name(f"{name}.c")
-    key = hashlib.sha256(src.read_bytes() + " ".join(_FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    headers = b"".join(h.read_bytes() for h in sorted(src.parent.glob("*.h")))  # shared by some sources
+    key = hashlib.sha256(src.read_bytes() + headers + " ".join(_FLAGS).encode()
+                         + _cpu_signature().encode()).hexdigest()[:16]
     so = cache_root() / "kernels" / f"{name}-{key}.so"
     try:
         if not so.exists():
@@ -67,13 +71,16 @@ def _load(name: str) -> ctypes.CDLL | None:
         return None
 
 
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 # kernels/<source>.c -> {function: (argtypes, restype)}
 _SIGNATURES: dict[str, dict[str, tuple[list, object]]] = {
     "paged_attention": {"paged_decode": ([_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I, _I],
                                          ctypes.c_int)},
     "lowbit_gemv": {"int8_gemv": ([_P, _P, _P, _P, _I, _I, _I, _I], None)},  # batch-1 int8 weights
-    "rms_norm": {"rms_norm": ([_P, _P, _P, _I, _I, _F, _I], None)},  # a few fp32 rows
+    "rms_norm": {"rms_norm": ([_P, _P, _P, _I, _I, _F, _I], None),  # a few fp32 rows
+                 "add_rms_norm": ([_P, _P, _P, _P, _I, _I, _F, _I], None)},
+    "rope_cache": {"norm_rope_write": ([_P, _L, _P, _L, _P, _L, _I, _I, _I, _I, _P, _P, _F, _P, _P, _P, _P, _P, _P,
+                                        _I], None)},  # a decode step's attention prologue
     "argmax": {"argmax_rows": ([_P, _P, _I, ctypes.c_int64, _I], None)},  # greedy picks
     "panel_gemm": {"panel_width": ([], ctypes.c_int),  # fp32 decode-step matmuls on packed weights
                    "pack_panels": ([_P, _P, _I, _I, _I], None),
@@ -113,6 +120,61 @@ def rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor | 
     d = x.shape[-1]
     lib.rms_norm(x.data_ptr(), gain.data_ptr(), y.data_ptr(), x.numel() // d, d, eps, torch.get_num_threads())
     return y
+
+
+def add_rms_norm(x: torch.Tensor, gain: torch.Tensor, residual: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """residual + rms_norm(x) * gain for fp32 CPU rows [..., d] of the same shape (one rounding of
+    the sum, as torch's add); None when the kernel is unavailable or does not apply."""
+    if (x.device.type != "cpu" or x.dtype != torch.float32 or gain.dtype != torch.float32
+            or residual.dtype != torch.float32 or residual.shape != x.shape):
+        return None
+    lib = kernel_lib("rms_norm")
+    if lib is None:
+        return None
+    x, residual = x.contiguous(), residual.contiguous()
+    y = torch.empty_like(x)
+    d = x.shape[-1]
+    lib.add_rms_norm(x.data_ptr(), gain.data_ptr(), residual.data_ptr(), y.data_ptr(), x.numel() // d, d, eps,
+                     torch.get_num_threads())
+    return y
+
+
+def _row_stride(x: torch.Tensor) -> int | None:
+    """Floats between token rows of x [T, heads, D] whose heads are packed within a row; None
+    when the layout is not that."""
+    T, heads, D = x.shape
+    if x.stride(2) != 1 or (heads > 1 and x.stride(1) != D):
+        return None
+    return x.stride(0) if T > 1 else heads * D
+
+
+def norm_rope_write(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                    q_gain: torch.Tensor | None, k_gain: torch.Tensor | None, eps: float,
+                    cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor | None,
+                    k_pool: torch.Tensor | None, v_pool: torch.Tensor | None) -> torch.Tensor | None:
+    """The attention prologue in one C call (kvserve/kernels/rope_cache.c): q [T, H, D] and k, v
+    [T, KVH, D] fp32 -> q normed (when q_gain) and rotated [T, H, D]; k normed (when k_gain),
+    rotated and written with v into k_pool, v_pool [slots, KVH, D] at `slots` [T] int64. k None:
+    rotate q only. cos, sin [T, D]. None where it does not apply (the caller runs the torch ops)."""
+    tensors = [q, cos, sin] + [t for t in (k, v, k_pool, v_pool, q_gain, k_gain) if t is not None]
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors) or q.shape[-1] % 2:
+        return None
+    strides = [_row_stride(q)] + ([_row_stride(k), _row_stride(v)] if k is not None else [0, 0])
+    if any(s is None for s in strides) or not (cos.is_contiguous() and sin.is_contiguous()):
+        return None
+    if k is not None and not (k_pool.is_contiguous() and v_pool.is_contiguous() and slots.dtype == torch.int64
+                              and slots.is_contiguous() and k_pool.shape[1:] == k.shape[1:]):
+        return None
+    lib = kernel_lib("rope_cache")
+    if lib is None:
+        return None
+    T, H, D = q.shape
+    out = torch.empty(T, H, D, dtype=torch.float32)
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    lib.norm_rope_write(q.data_ptr(), strides[0], ptr(k), strides[1], ptr(v), strides[2], T, H,
+                        0 if k is None else k.shape[1], D, ptr(q_gain), ptr(k_gain), eps, cos.data_ptr(),
+                        sin.data_ptr(), ptr(slots), ptr(k_pool), ptr(v_pool), out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
@@ -201,8 +263,9 @@ def paged_decode_attention(q, k_pool, v_pool, tables, starts, lens, block_size: 
     B, H, D = q.shape
     kvh = k_pool.shape[1]
     threads = torch.get_num_threads()
-    # Few sequences: cut each context into ranges so every thread has work (>= 128 positions each).
-    splits = max(1, min(-(-4 * threads // (B * kvh)), max_len // 128))
+    # Few sequences: cut each context into ranges so every thread has work (>= 64 positions each;
+    # 128 left a batch-1 context under 256 on one thread).
+    splits = max(1, min(-(-4 * threads // (B * kvh)), -(-max_len // 64)))
     out = torch.empty_like(q)
     rc = lib.paged_decode(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), tables.data_ptr(), starts.data_ptr(),
                           lens.data_ptr(), out.data_ptr(), B, H, kvh, D, block_size, tables.shape[1], splits, scale,

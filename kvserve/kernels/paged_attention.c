@@ -21,8 +21,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define HAVE_DPBF16 1
 #endif
 
@@ -56,6 +58,33 @@ static inline float dot(const float *restrict a, const float *restrict b, int D)
     return s;
 }
 
+/* out[g] = q[g] . k for the G query heads sharing a K row: with AVX-512 four heads at a time,
+ * two accumulators each, so eight independent FMA chains hide the FMA latency that one
+ * reduction per head serialised on (the score pass ran ~3x slower than its loads). */
+static inline void dots(const float *restrict q, const float *restrict k, int G, int D, float *restrict out) {
+#ifdef __AVX512F__
+    if (D % 32 == 0) {
+        int g = 0;
+        for (; g + 4 <= G; g += 4) {
+            const float *q0 = q + (int64_t)g * D;
+            __m512 a[8];
+            for (int i = 0; i < 8; i++) a[i] = _mm512_setzero_ps();
+            for (int d = 0; d < D; d += 32) {
+                const __m512 k0 = _mm512_loadu_ps(k + d), k1 = _mm512_loadu_ps(k + d + 16);
+                for (int h = 0; h < 4; h++) {
+                    a[2 * h] = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + h * D + d), k0, a[2 * h]);
+                    a[2 * h + 1] = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + h * D + d + 16), k1, a[2 * h + 1]);
+                }
+            }
+            for (int h = 0; h < 4; h++) out[g + h] = _mm512_reduce_add_ps(_mm512_add_ps(a[2 * h], a[2 * h + 1]));
+        }
+        for (; g < G; g++) out[g] = dot(q + (int64_t)g * D, k, D);
+        return;
+    }
+#endif
+    for (int g = 0; g < G; g++) out[g] = dot(q + (int64_t)g * D, k, D);
+}
+
 #ifdef HAVE_DPBF16
 /* bf16 . bf16 with the AVX512-BF16 pair dot product: exact products, fp32 sums, no widening.
  * D must be a multiple of 32. */
@@ -83,12 +112,24 @@ static inline int64_t slot_offset(const Args *a, const int32_t *table, int p, in
     return ((int64_t)table[p / a->bs] * a->bs + p % a->bs) * a->KVH * a->D + (int64_t)kvh * a->D;
 }
 
+/* The K or V row of position p on its way into cache: a decode step streams the weights between
+ * two reads of a layer's pages, so they come from DRAM. Asking PREFETCH_ROWS rows ahead gained
+ * 0-10% per call in benchmarks/attention_prefetch_ab.py (most of the win there is `dots`). */
+#ifndef PREFETCH_ROWS /* benchmarks/attention_prefetch_ab.py builds it with 0 to compare */
+#define PREFETCH_ROWS 4
+#endif
+static inline void prefetch_row(const Args *a, const void *base, const int32_t *table, int p, int kvh) {
+    const int elem = a->bf16 ? 2 : 4;
+    const char *row = (const char *)base + slot_offset(a, table, p, kvh) * elem;
+    for (int c = 0; c < a->D * elem; c += 64) __builtin_prefetch(row + c);
+}
+
 /* Positions [p0, p1) of sequence b against KV head kvh: fills `part`. scores: [G, p1 - p0]. */
 static void attend_range(const Args *a, int b, int kvh, int p0, int p1, float *scores, Partial part) {
     const int G = a->H / a->KVH, D = a->D, n = p1 - p0;
     const int32_t *table = a->tables + (int64_t)b * a->max_blocks;
     const int64_t q0 = ((int64_t)b * a->H + (int64_t)kvh * G) * D; /* this task's G query rows */
-    float qh[G * D], row[D];
+    float qh[G * D], row[D], sc[G];
     for (int i = 0; i < G * D; i++)
         qh[i] = a->bf16 ? bf16_to_f32(((const uint16_t *)a->q)[q0 + i]) : ((const float *)a->q)[q0 + i];
 #ifdef HAVE_DPBF16
@@ -100,15 +141,14 @@ static void attend_range(const Args *a, int b, int kvh, int p0, int p1, float *s
     for (int g = 0; g < G; g++) part.m[g] = -INFINITY;
     for (int p = p0; p < p1; p++) {
         const int64_t off = slot_offset(a, table, p, kvh);
+        if (PREFETCH_ROWS && p + PREFETCH_ROWS < p1) prefetch_row(a, a->k, table, p + PREFETCH_ROWS, kvh);
         const float *kr = use_dp ? NULL : load_row(a->k, off, a->bf16, D, row);
+        if (!use_dp) dots(qh, kr, G, D, sc);
         for (int g = 0; g < G; g++) {
-            float s;
+            float s = sc[g];
 #ifdef HAVE_DPBF16
-            if (use_dp)
-                s = dot_bf16((const uint16_t *)a->q + q0 + (int64_t)g * D, (const uint16_t *)a->k + off, D);
-            else
+            if (use_dp) s = dot_bf16((const uint16_t *)a->q + q0 + (int64_t)g * D, (const uint16_t *)a->k + off, D);
 #endif
-                s = dot(qh + (int64_t)g * D, kr, D);
             s *= a->scale;
             scores[(int64_t)g * n + (p - p0)] = s;
             if (s > part.m[g]) part.m[g] = s;
@@ -126,6 +166,7 @@ static void attend_range(const Args *a, int b, int kvh, int p0, int p1, float *s
     /* pass 2: the weighted sum of V rows */
     memset(part.acc, 0, sizeof(float) * G * D);
     for (int p = p0; p < p1; p++) {
+        if (PREFETCH_ROWS && p + PREFETCH_ROWS < p1) prefetch_row(a, a->v, table, p + PREFETCH_ROWS, kvh);
         const float *vr = load_row(a->v, slot_offset(a, table, p, kvh), a->bf16, D, row);
         for (int g = 0; g < G; g++) {
             const float w = scores[(int64_t)g * n + (p - p0)];
@@ -154,9 +195,9 @@ int paged_decode(const void *q, const void *k, const void *v, const int32_t *tab
     const size_t part_floats = (size_t)G * (D + 2);
     float *parts = malloc(sizeof(float) * (size_t)ntasks * part_floats);
     if (!parts) return -1;
-    int64_t work = 0; /* K/V elements read: a parallel region only pays for itself above ~1e5 */
+    int64_t work = 0; /* K/V elements read: a parallel region only pays for itself above ~2e4 */
     for (int b = 0; b < B; b++) work += (int64_t)(lens[b] - starts[b]) * KVH * D;
-    if (work < 100000) num_threads = 1;
+    if (work < 20000) num_threads = 1;
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int t = 0; t < ntasks; t++) {

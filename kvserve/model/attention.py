@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.kernels import paged_decode_attention
+from kvserve.kernels import norm_rope_write, paged_decode_attention
 from kvserve.model.config import ModelConfig
-from kvserve.model.layers import RMSNorm, apply_rope
+from kvserve.model.layers import SMALL_NORM_ELEMENTS, RMSNorm, apply_rope
+from kvserve.model.panels import Panels, fused_panels
 
 
 # KV-cache storage formats besides the model's dtype: codes plus one fp32 scale per (token, KV
@@ -215,8 +216,16 @@ class DecodeBatch:
     max_len: int  # max(lens)
     _starts: dict = field(default_factory=dict, repr=False)
     _groups: dict = field(default_factory=dict, repr=False)
+    _covers: tuple[int, bool] | None = field(default=None, repr=False)
 
     GROUP = 16  # sequences per attention call on the fallback path
+
+    def covers_all(self, num_rows: int) -> bool:
+        """Whether the batch's rows are exactly 0..num_rows-1 in order (a decode-only step)."""
+        if self._covers is None:
+            n = int(self.rows.shape[0])
+            self._covers = (n, n == 0 or (int(self.rows[0]) == 0 and int(self.rows[-1]) == n - 1))
+        return self._covers[0] == num_rows and self._covers[1]
 
     def starts(self, window: int | None) -> torch.Tensor:
         """First attended position per sequence [B] int32 (shared by all layers of a window)."""
@@ -294,6 +303,9 @@ class Attention(nn.Module):
         # path, which then drops q/k/v_proj): one kernel call instead of three per decode step.
         self.qkv_proj: nn.Module | None = None
         self.qkv_sizes = (q_size, kv_size, kv_size)
+        # The fp32 path's counterpart: q/k/v packed as one panel matrix for decode steps
+        # (model/panels.py; set by `fuse_panels`), the Linears kept for prefill.
+        self.qkv_panels: Panels | None = None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, offset=gemma_norm)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, offset=gemma_norm) if self.computes_kv else None
@@ -310,6 +322,11 @@ class Attention(nn.Module):
         """x [T, hidden] -> [T, hidden]."""
         T = x.shape[0]
         q, k, v = self._project(x)
+        if meta.custom is None:
+            group_meta = meta.for_group(kv_cache.group_of(self.kv_source))
+            rotated = self._fused_prologue(q, k, v, cos_sin, kv_cache, group_meta)
+            if rotated is not None:
+                return self._attend_all(rotated, kv_cache, group_meta)
         if self.q_norm is not None:
             q = self.q_norm(q)
         if self.computes_kv:
@@ -327,7 +344,36 @@ class Attention(nn.Module):
         meta = meta.for_group(kv_cache.group_of(self.kv_source))
         if self.computes_kv:  # a reusing layer reads its source's pages, written earlier in this pass
             kv_cache.write(self.layer, meta.slot_mapping, apply_rope(k, cos, sin), v)
+        return self._attend_all(q, kv_cache, meta)
 
+    def _fused_prologue(self, q, k, v, cos_sin, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor | None:
+        """q/k norms, RoPE and the K/V write as one C call (kvserve/kernels/rope_cache.c) for
+        steps of a few fp32 rows; returns the rotated q [T, H, D], or None (the torch ops run).
+        Bitwise the torch path: the size limit is the one under which the norms take the C
+        kernel there too."""
+        if q.numel() > SMALL_NORM_ELEMENTS or kv_cache.quantized or torch.is_grad_enabled():
+            return None
+        q_gain = None if self.q_norm is None else self.q_norm.kernel_gain()
+        k_gain = None if self.k_norm is None or not self.computes_kv else self.k_norm.kernel_gain()
+        if self.q_norm is not None and (q_gain is None or (self.k_norm is not None and self.computes_kv and (
+                k_gain is None or self.k_norm.eps != self.q_norm.eps))):
+            return None
+        k_pool = v_pool = None
+        if self.computes_kv:
+            k_pool, v_pool, _ = kv_cache.layer(self.layer)
+        eps = self.q_norm.eps if self.q_norm is not None else 0.0
+        cos, sin = cos_sin
+        return norm_rope_write(q, k if self.computes_kv else None, v if self.computes_kv else None, q_gain, k_gain,
+                               eps, cos, sin, meta.slot_mapping, k_pool, v_pool)
+
+    def _attend_all(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """Rotated q [T, H, D] against the pool (this step's K/V already written) -> o_proj'd
+        output [T, hidden]."""
+        T = q.shape[0]
+        if meta.decode is not None and not meta.seqs and meta.decode.covers_all(T):
+            out = self._decode_direct(q, kv_cache, meta.decode)  # every row a decode row, in order
+            if out is not None:
+                return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
         out = torch.empty_like(q)
         if meta.decode is not None:
             self._decode(q, kv_cache, meta.decode, out)
@@ -338,11 +384,22 @@ class Attention(nn.Module):
             out[s.q_start : s.q_start + s.q_len] = self._attend(q[s.q_start : s.q_start + s.q_len], ks, vs, mask)
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
 
+    def fuse_panels(self) -> None:
+        """Pack q/k/v (bias-free PanelLinears) as one matrix; idempotent."""
+        if self.computes_kv and (self.qkv_panels is None or self.qkv_panels.weights != (
+                self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)):
+            self.qkv_panels = fused_panels(self.q_proj, self.k_proj, self.v_proj)
+
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """x [T, hidden] -> q [T, H, D], k and v [T, KVH, D] (None for a layer reusing another's K/V)."""
         T, H, KVH, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = None
         if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+            qkv = self.qkv_proj(x)
+        elif self.qkv_panels is not None:
+            qkv = self.qkv_panels.matmul(x)  # None for prefill-sized inputs
+        if qkv is not None:
+            q, k, v = qkv.split(self.qkv_sizes, dim=-1)
             return q.reshape(T, H, D), k.reshape(T, KVH, D), v.reshape(T, KVH, D)
         q = self.q_proj(x).view(T, H, D)
         if not self.computes_kv:
@@ -366,6 +423,15 @@ class Attention(nn.Module):
         # 4-D inputs let torch pick its fused CPU (flash) kernel instead of the bmm/softmax path.
         o = F.scaled_dot_product_attention(qg[None], k[None], v[None], attn_mask=mask, scale=self.scale)[0]
         return o.view(self.num_kv_heads, G, T, self.head_dim).permute(2, 0, 1, 3).reshape(T, self.num_heads, -1)
+
+    def _decode_direct(self, q: torch.Tensor, kv_cache: KVCache, batch: DecodeBatch) -> torch.Tensor | None:
+        """The C kernel on q [B, H, D] whose rows are the batch's sequences in order -> [B, H, D],
+        without gathering and scattering rows; None where the kernel does not apply."""
+        if kv_cache.quantized:
+            return None
+        k_pool, v_pool, _ = kv_cache.layer(self.kv_source)
+        return paged_decode_attention(q, k_pool, v_pool, batch.block_tables, batch.starts(self.window), batch.lens,
+                                      batch.block_size, self.scale, batch.max_len)
 
     def _decode(self, q: torch.Tensor, kv_cache: KVCache, batch: DecodeBatch, out: torch.Tensor) -> None:
         """Attention for the decode rows of q [T, H, D], written into out [T, H, D]."""

@@ -23,9 +23,9 @@ class Gemma3DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, cos_sin, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         a = self.self_attn(self.input_layernorm(h), cos_sin, kv_cache, meta)
-        h = h + self.post_attention_layernorm(a)
+        h = self.post_attention_layernorm.add_to(h, a)  # h + norm(a)
         m = self.mlp(self.pre_feedforward_layernorm(h))
-        return h + self.post_feedforward_layernorm(m)
+        return self.post_feedforward_layernorm.add_to(h, m)
 
 
 class Gemma3ForCausalLM(CausalLM):

@@ -7,8 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.kernels import add_rms_norm as add_rms_norm_kernel
 from kvserve.kernels import rms_norm as rms_norm_kernel
 from kvserve.model.config import RopeConfig
+from kvserve.model.panels import Panels, fused_panels
 
 SMALL_NORM_ELEMENTS = 64 * 1024  # up to here (decode batches) the C kernel; prefill takes F.rms_norm
 
@@ -42,6 +44,22 @@ class RMSNorm(nn.Module):
         if dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, shape, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), shape, None, self.eps).to(dtype)
+
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual + self(x), the sandwich norm's residual add; a few fp32 rows in one C call
+        (the same numbers as the two steps)."""
+        if (x.dtype == torch.float32 and x.numel() <= SMALL_NORM_ELEMENTS and not torch.is_grad_enabled()
+                and residual.dtype == torch.float32):
+            gain = self.kernel_gain()
+            y = None if gain is None else add_rms_norm_kernel(x, gain, residual, self.eps)
+            if y is not None:
+                return y
+        return residual + self(x)
+
+    def kernel_gain(self) -> torch.Tensor | None:
+        """The fp32 gain [dim] the C kernels multiply by ((1 + w) for Gemma), None if not fp32 CPU."""
+        gain = self._offset_gain() if self.offset else self.weight
+        return gain if gain.dtype == torch.float32 and gain.device.type == "cpu" else None
 
     def _offset_gain(self) -> torch.Tensor:
         """1 + w in fp32, cached while the weight is unchanged and no gradient flows to it."""
@@ -131,9 +149,20 @@ class GatedMLP(nn.Module):
         self.act = activation(act)
         # gate and up as one low-bit matmul (kvserve/quant/fuse.py; gate/up_proj are then dropped).
         self.gate_up_proj: nn.Module | None = None
+        self.gate_up_panels: Panels | None = None  # fp32 decode steps: one packed matrix (fuse_panels)
+
+    def fuse_panels(self) -> None:
+        """Pack gate/up (bias-free PanelLinears) as one matrix; idempotent."""
+        if self.gate_up_panels is None or self.gate_up_panels.weights != (self.gate_proj.weight, self.up_proj.weight):
+            self.gate_up_panels = fused_panels(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = None
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            gate_up = self.gate_up_proj(x)
+        elif self.gate_up_panels is not None:
+            gate_up = self.gate_up_panels.matmul(x)  # None for prefill-sized inputs
+        if gate_up is not None:
+            gate, up = gate_up.chunk(2, dim=-1)
             return self.down_proj(self.act(gate) * up)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

@@ -21,50 +21,76 @@ MAX_PANEL_ROWS = 128  # the kernel matched or beat MKL up to here (docs/BENCHMAR
 
 
 class Panels:
-    """`weight` [N, K] fp32 packed for the panel kernel; `matmul` repacks when it has changed."""
+    """Weights [N_i, K] fp32 packed, stacked by rows, for the panel kernel (one weight, or q/k/v
+    or gate/up that read the same input: one call, each output column the FMA chain it would be
+    alone); `matmul` repacks when any of them has changed."""
 
-    def __init__(self, weight: torch.Tensor, packed: torch.Tensor):
-        self.weight = weight
+    def __init__(self, weights: tuple[torch.Tensor, ...], packed: torch.Tensor):
+        self.weights = weights
+        self.rows = sum(w.shape[0] for w in weights)
         self.packed = packed
-        self._stamp = self._stamp_of(weight)
+        self._stamp = self._stamp_of(weights)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The (first) weight packed here."""
+        return self.weights[0]
 
     @staticmethod
-    def _stamp_of(weight: torch.Tensor) -> tuple[int, int, torch.dtype]:
-        return weight.data_ptr(), weight._version, weight.dtype
+    def _stamp_of(weights: tuple[torch.Tensor, ...]) -> tuple:
+        return tuple((w.data_ptr(), w._version, w.dtype) for w in weights)
+
+    @staticmethod
+    def _pack(weights: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+        if len({w.shape[1:] for w in weights}) != 1 or len({w.dtype for w in weights}) != 1:
+            return None
+        return kernels.pack_panels(weights[0] if len(weights) == 1 else torch.cat([w.detach() for w in weights]))
 
     @classmethod
-    def pack(cls, weight: torch.Tensor) -> Panels | None:
-        packed = kernels.pack_panels(weight)
-        return None if packed is None else cls(weight, packed)
+    def pack(cls, *weights: torch.Tensor) -> Panels | None:
+        packed = cls._pack(weights)
+        return None if packed is None else cls(weights, packed)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-        """x [..., K] @ weight^T (+ bias) -> [..., N]; None where the kernel does not apply (more
-        than MAX_PANEL_ROWS rows, another dtype or device, autograd) and PyTorch's matmul should."""
-        w = self.weight
-        k = w.shape[1]
+        """x [..., K] @ the stacked weights^T (+ bias) -> [..., sum N_i]; None where the kernel does
+        not apply (more than MAX_PANEL_ROWS rows, another dtype or device, autograd) and PyTorch's
+        matmul should."""
+        k = self.weights[0].shape[1]
         rows = x.numel() // k if k else 0
         if (not 0 < rows <= MAX_PANEL_ROWS or x.dtype != torch.float32 or x.device.type != "cpu"
-                or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
+                or (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in self.weights)))):
             return None
-        if self._stamp_of(w) != self._stamp:
-            repacked = kernels.pack_panels(w)
+        if self._stamp_of(self.weights) != self._stamp:
+            repacked = self._pack(self.weights)
             if repacked is None:  # no longer fp32 / CPU
                 return None
-            self.packed, self._stamp = repacked, self._stamp_of(w)
-        y = kernels.panel_matmul(x.reshape(rows, k), self.packed, w.shape[0])
+            self.packed, self._stamp = repacked, self._stamp_of(self.weights)
+        y = kernels.panel_matmul(x.reshape(rows, k), self.packed, self.rows)
         if bias is not None:
             y = y + bias
-        return y.reshape(*x.shape[:-1], w.shape[0])
+        return y.reshape(*x.shape[:-1], self.rows)
 
 
 class PanelLinear(nn.Linear):
     """An nn.Linear with its weight also packed (`panels`): decode-sized inputs use the kernel."""
 
-    panels: Panels
+    panels: Panels | None  # None: packed with its siblings (fused_panels), called alone only for prefill
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.panels.matmul(x, self.bias)
+        y = None if self.panels is None else self.panels.matmul(x, self.bias)
         return F.linear(x, self.weight, self.bias) if y is None else y
+
+
+def fused_panels(*linears: nn.Module) -> Panels | None:
+    """One packed copy of bias-free PanelLinears that read the same input (q/k/v, gate/up),
+    their own copies dropped; None (nothing changed) when they are not all such layers."""
+    if not linears or any(type(m) is not PanelLinear or m.bias is not None for m in linears):
+        return None
+    panels = Panels.pack(*(m.weight for m in linears))
+    if panels is not None:
+        for m in linears:
+            m.panels = None
+    return panels
 
 
 def use_panel_kernels(model: nn.Module) -> int:
@@ -82,6 +108,11 @@ def use_panel_kernels(model: nn.Module) -> int:
             m.__class__ = PanelLinear  # keeps the module's parameters, hooks and place in the tree
             m.panels = panels
             count += 1
+    # q/k/v and gate/up as one call each: the k and v matrices alone are too small to stream fast.
+    for m in model.modules():
+        fuse = getattr(m, "fuse_panels", None)
+        if fuse is not None:
+            fuse()
     if getattr(model, "lm_head", False) is None and hasattr(model, "embed_tokens"):
         head = getattr(model, "head_panels", None)
         if head is None or head.weight is not model.embed_tokens.weight:

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve import kernels
 from kvserve.quant.packing import check_cpu_int4_shape, cpu_int4_pack, cpu_int4_rows, from_cpu_int4_layout
 from kvserve.quant.rtn import dequantize
 from kvserve.quant.spec import QuantizedWeight, QuantSpec
@@ -233,6 +234,12 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype."""
+        if (self._gemv is not None and x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.float32
+                and self.act_dtype == torch.bfloat16 and self.bias is None and x.device.type == "cpu"):
+            # A batch-1 decode row, the common case of a decode step: the C kernel straight away.
+            y = kernels.int8_gemv(x, self.qweight, self._gemv, round_bf16=True)
+            if y is not None:
+                return y
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] == 0:
@@ -268,12 +275,10 @@ class QuantLinear(nn.Module):
     def _gemv_forward(self, x2: torch.Tensor) -> torch.Tensor | None:
         if x2.device.type != "cpu":
             return None
-        from kvserve.kernels import int8_gemv
-
         if x2.dtype == torch.float32 and self.act_dtype == torch.bfloat16:
             # The kernel rounds x and y to bf16 values itself, as PyTorch's kernel does.
-            return int8_gemv(x2, self.qweight, self._gemv, round_bf16=True)
-        y = int8_gemv(x2.to(self.act_dtype).float(), self.qweight, self._gemv)
+            return kernels.int8_gemv(x2, self.qweight, self._gemv, round_bf16=True)
+        y = kernels.int8_gemv(x2.to(self.act_dtype).float(), self.qweight, self._gemv)
         return None if y is None else y.to(self.act_dtype)  # PyTorch's kernels return act_dtype too
 
     def _dequant_matmul(self, x2: torch.Tensor) -> torch.Tensor:
