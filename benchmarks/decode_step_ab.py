@@ -104,7 +104,7 @@ def norm(args) -> dict:
     """Batch-1 decode with RMSNorm as the former 6 ops, as F.rms_norm, and as the C kernel."""
     from kvserve.model import layers
 
-    current, limit = layers.RMSNorm.forward, layers.SMALL_NORM_ELEMENTS
+    current, limit = layers.RMSNorm.forward, layers.NORM_KERNEL_MAX_ELEMENTS
 
     def six_ops(self, x):  # the former RMSNorm.forward
         h = x.float()
@@ -119,7 +119,7 @@ def norm(args) -> dict:
 
         def use(forward, small):
             def setup():
-                layers.RMSNorm.forward, layers.SMALL_NORM_ELEMENTS = forward, small
+                layers.RMSNorm.forward, layers.NORM_KERNEL_MAX_ELEMENTS = forward, small
                 return llm
             return setup
 

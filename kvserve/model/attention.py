@@ -16,7 +16,8 @@ from torch import nn
 
 from kvserve.kernels import norm_rope_write, paged_decode_attention
 from kvserve.model.config import ModelConfig
-from kvserve.model.layers import SMALL_NORM_ELEMENTS, RMSNorm, apply_rope
+from kvserve.model import layers
+from kvserve.model.layers import RMSNorm, apply_rope
 from kvserve.model.panels import Panels, fused_panels
 
 
@@ -347,11 +348,10 @@ class Attention(nn.Module):
         return self._attend_all(q, kv_cache, meta)
 
     def _fused_prologue(self, q, k, v, cos_sin, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor | None:
-        """q/k norms, RoPE and the K/V write as one C call (kvserve/kernels/rope_cache.c) for
-        steps of a few fp32 rows; returns the rotated q [T, H, D], or None (the torch ops run).
-        Bitwise the torch path: the size limit is the one under which the norms take the C
-        kernel there too."""
-        if q.numel() > SMALL_NORM_ELEMENTS or kv_cache.quantized or torch.is_grad_enabled():
+        """q/k norms, RoPE and the K/V write as one C call (kvserve/kernels/rope_cache.c) for fp32
+        steps; returns the rotated q [T, H, D], or None (the torch ops run). Bitwise the torch
+        path: the size limit is the one under which the norms take the C kernel there too."""
+        if q.numel() > layers.NORM_KERNEL_MAX_ELEMENTS or kv_cache.quantized or torch.is_grad_enabled():
             return None
         q_gain = None if self.q_norm is None else self.q_norm.kernel_gain()
         k_gain = None if self.k_norm is None or not self.computes_kv else self.k_norm.kernel_gain()

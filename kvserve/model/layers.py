@@ -12,7 +12,10 @@ from kvserve.kernels import rms_norm as rms_norm_kernel
 from kvserve.model.config import RopeConfig
 from kvserve.model.panels import Panels, fused_panels
 
-SMALL_NORM_ELEMENTS = 64 * 1024  # up to here (decode batches) the C kernel; prefill takes F.rms_norm
+# fp32 norms up to this many elements take the C kernel (kernels/rms_norm.c), larger ones F.rms_norm.
+# No limit in practice: the kernel was 2.5-3x F.rms_norm at decode sizes and 3-22x at prefill sizes
+# ([512, 640]: 43 vs 979 us); benchmarks/decode_step_ab.py norm lowers it to compare.
+NORM_KERNEL_MAX_ELEMENTS = 1 << 62
 
 
 class RMSNorm(nn.Module):
@@ -31,11 +34,12 @@ class RMSNorm(nn.Module):
         self._gain: tuple[tuple, torch.Tensor] | None = None  # Gemma's fp32 (1 + w), see `_offset_gain`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # A decode step runs ~110 norms of one token, where per-op overhead is the cost: a few fp32
-        # rows go through one C call (kvserve/kernels/rms_norm.c), the rest through F.rms_norm
-        # (bitwise equal to x * rsqrt(mean(x^2) + eps) [* w]).
+        # fp32 rows go through one C call (kvserve/kernels/rms_norm.c): a decode step runs ~110
+        # norms of one token, where torch's per-op overhead is the cost, and at prefill sizes
+        # F.rms_norm was slower still. Other dtypes and autograd take F.rms_norm (bitwise equal to
+        # x * rsqrt(mean(x^2) + eps) [* w]).
         dtype, shape = x.dtype, (x.shape[-1],)
-        if dtype == torch.float32 and x.numel() <= SMALL_NORM_ELEMENTS and not torch.is_grad_enabled():
+        if dtype == torch.float32 and x.numel() <= NORM_KERNEL_MAX_ELEMENTS and not torch.is_grad_enabled():
             y = rms_norm_kernel(x, self._offset_gain() if self.offset else self.weight, self.eps)
             if y is not None:
                 return y
@@ -48,7 +52,7 @@ class RMSNorm(nn.Module):
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """residual + self(x), the sandwich norm's residual add; a few fp32 rows in one C call
         (the same numbers as the two steps)."""
-        if (x.dtype == torch.float32 and x.numel() <= SMALL_NORM_ELEMENTS and not torch.is_grad_enabled()
+        if (x.dtype == torch.float32 and x.numel() <= NORM_KERNEL_MAX_ELEMENTS and not torch.is_grad_enabled()
                 and residual.dtype == torch.float32):
             gain = self.kernel_gain()
             y = None if gain is None else add_rms_norm_kernel(x, gain, residual, self.eps)
