@@ -214,6 +214,12 @@ def packed_decode(args) -> dict:
     return {"fp32": _decode_ab(args, "fp32", {"MKL": lambda: plain, "panels": lambda: packed})}
 
 
+def _add_then_norm(self, residual, x, then=None):
+    """RMSNorm.add_to as separate torch steps (the unfused reference)."""
+    h = residual + self(x)
+    return h if then is None else (h, then(h))
+
+
 def fused_step(args) -> dict:
     """Batch-1 decode with the attention prologue (q/k norms, RoPE, K/V write) and the residual
     norms as torch ops and q/k/v, gate/up as separate packed matrices (fp32), vs the fused C
@@ -242,7 +248,7 @@ def fused_step(args) -> dict:
     def use(engine, fuse: bool):
         def setup():
             Attention._fused_prologue = fused_prologue if fuse else (lambda self, *a: None)
-            RMSNorm.add_to = add_to if fuse else (lambda self, residual, x: residual + self(x))
+            RMSNorm.add_to = add_to if fuse else (_add_then_norm)
             return engine
         return setup
 

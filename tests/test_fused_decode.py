@@ -64,6 +64,12 @@ def test_add_rms_norm_equals_norm_then_add(rows, d):
     assert torch.equal(kernels.add_rms_norm(x, gain, res, 1e-6), res + kernels.rms_norm(x, gain, 1e-6))
 
 
+def _add_then_norm(self, residual, x, then=None):
+    """RMSNorm.add_to as separate torch steps (the unfused reference)."""
+    h = residual + self(x)
+    return h if then is None else (h, then(h))
+
+
 @needs_kernel
 def test_gemma_fused_decode_equals_torch_ops(gemma, monkeypatch):
     """Greedy tokens and every logprob bitwise equal with the fused kernels on and off, over
@@ -83,7 +89,17 @@ def test_gemma_fused_decode_equals_torch_ops(gemma, monkeypatch):
     with monkeypatch.context() as m:
         calls = []
         m.setattr(Attention, "_fused_prologue", lambda self, *a: calls.append(1))
-        m.setattr(RMSNorm, "add_to", lambda self, residual, x: residual + self(x))
+        m.setattr(RMSNorm, "add_to", _add_then_norm)
         plain = run()
     assert calls  # the fused path was on offer and declined
     assert fused == plain
+
+
+@needs_kernel
+def test_add_rms_norm_then_next_norm_equals_three_steps():
+    g = torch.Generator().manual_seed(7)
+    x, res = torch.randn(3, 640, generator=g) * 4, torch.randn(3, 640, generator=g)
+    g1, g2 = torch.rand(640, generator=g), torch.rand(640, generator=g) + 0.5
+    h, y = kernels.add_rms_norm(x, g1, res, 1e-6, g2)
+    want_h = res + kernels.rms_norm(x, g1, 1e-6)
+    assert torch.equal(h, want_h) and torch.equal(y, kernels.rms_norm(want_h, g2, 1e-6))

@@ -78,7 +78,7 @@ _SIGNATURES: dict[str, dict[str, tuple[list, object]]] = {
                                          ctypes.c_int)},
     "lowbit_gemv": {"int8_gemv": ([_P, _P, _P, _P, _I, _I, _I, _I], None)},  # batch-1 int8 weights
     "rms_norm": {"rms_norm": ([_P, _P, _P, _I, _I, _F, _I], None),  # a few fp32 rows
-                 "add_rms_norm": ([_P, _P, _P, _P, _I, _I, _F, _I], None)},
+                 "add_rms_norm": ([_P, _P, _P, _P, _P, _P, _I, _I, _F, _I], None)},
     "rope_cache": {"norm_rope_write": ([_P, _L, _P, _L, _P, _L, _I, _I, _I, _I, _P, _P, _F, _P, _P, _P, _P, _P, _P,
                                         _I], None)},  # a decode step's attention prologue
     "argmax": {"argmax_rows": ([_P, _P, _I, ctypes.c_int64, _I], None)},  # greedy picks
@@ -97,6 +97,15 @@ def kernel_lib(source: str) -> ctypes.CDLL | None:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, res
     return lib
+
+
+_F32 = torch.float32
+
+
+def _f32_cpu(*tensors: torch.Tensor | None) -> bool:
+    """Every tensor given (None skipped) is fp32 on the CPU. (Cheap checks: this runs ~40 times a
+    decode step, where a few microseconds of Python per call add up.)"""
+    return all(t is None or (t.dtype is _F32 and t.is_cpu) for t in tensors)
 
 
 def paged_attention_lib() -> ctypes.CDLL | None:
@@ -122,21 +131,24 @@ def rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor | 
     return y
 
 
-def add_rms_norm(x: torch.Tensor, gain: torch.Tensor, residual: torch.Tensor, eps: float) -> torch.Tensor | None:
+def add_rms_norm(x: torch.Tensor, gain: torch.Tensor, residual: torch.Tensor, eps: float,
+                 gain2: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
     """residual + rms_norm(x) * gain for fp32 CPU rows [..., d] of the same shape (one rounding of
-    the sum, as torch's add); None when the kernel is unavailable or does not apply."""
-    if (x.device.type != "cpu" or x.dtype != torch.float32 or gain.dtype != torch.float32
-            or residual.dtype != torch.float32 or residual.shape != x.shape):
+    the sum, as torch's add); with gain2 also rms_norm(that sum) * gain2, returned as a pair.
+    None when the kernel is unavailable or does not apply."""
+    if not (_f32_cpu(x, gain, residual, gain2) and residual.shape == x.shape):
         return None
     lib = kernel_lib("rms_norm")
     if lib is None:
         return None
     x, residual = x.contiguous(), residual.contiguous()
     y = torch.empty_like(x)
+    y2 = None if gain2 is None else torch.empty_like(x)
     d = x.shape[-1]
-    lib.add_rms_norm(x.data_ptr(), gain.data_ptr(), residual.data_ptr(), y.data_ptr(), x.numel() // d, d, eps,
-                     torch.get_num_threads())
-    return y
+    lib.add_rms_norm(x.data_ptr(), gain.data_ptr(), residual.data_ptr(), y.data_ptr(),
+                     None if gain2 is None else gain2.data_ptr(), None if y2 is None else y2.data_ptr(),
+                     x.numel() // d, d, eps, torch.get_num_threads())
+    return y if y2 is None else (y, y2)
 
 
 def _row_stride(x: torch.Tensor) -> int | None:
@@ -146,15 +158,6 @@ def _row_stride(x: torch.Tensor) -> int | None:
     if x.stride(2) != 1 or (heads > 1 and x.stride(1) != D):
         return None
     return x.stride(0) if T > 1 else heads * D
-
-
-_F32 = torch.float32
-
-
-def _f32_cpu(*tensors: torch.Tensor | None) -> bool:
-    """Every tensor given (None skipped) is fp32 on the CPU. (Cheap checks: this runs ~40 times a
-    decode step, where a few microseconds of Python per call add up.)"""
-    return all(t is None or (t.dtype is _F32 and t.is_cpu) for t in tensors)
 
 
 def norm_rope_write(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,

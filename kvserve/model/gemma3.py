@@ -23,8 +23,9 @@ class Gemma3DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, cos_sin, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         a = self.self_attn(self.input_layernorm(h), cos_sin, kv_cache, meta)
-        h = self.post_attention_layernorm.add_to(h, a)  # h + norm(a)
-        m = self.mlp(self.pre_feedforward_layernorm(h))
+        # h + norm(a), and the pre-feedforward norm of that, in one kernel call
+        h, x = self.post_attention_layernorm.add_to(h, a, then=self.pre_feedforward_layernorm)
+        m = self.mlp(x)
         return self.post_feedforward_layernorm.add_to(h, m)
 
 

@@ -49,21 +49,24 @@ class RMSNorm(nn.Module):
             return F.rms_norm(x, shape, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), shape, None, self.eps).to(dtype)
 
-    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """residual + self(x), the sandwich norm's residual add; a few fp32 rows in one C call
-        (the same numbers as the two steps)."""
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor, then: RMSNorm | None = None):
+        """h = residual + self(x), the sandwich norm's residual add, and with `then` the pair
+        (h, then(h)); fp32 rows in one C call (the same numbers as the separate steps)."""
         if (x.dtype == torch.float32 and x.numel() <= NORM_KERNEL_MAX_ELEMENTS and not torch.is_grad_enabled()
                 and residual.dtype == torch.float32):
             gain = self.kernel_gain()
-            y = None if gain is None else add_rms_norm_kernel(x, gain, residual, self.eps)
-            if y is not None:
-                return y
-        return residual + self(x)
+            gain2 = None if then is None else then.kernel_gain()
+            if gain is not None and (then is None or (gain2 is not None and then.eps == self.eps)):
+                y = add_rms_norm_kernel(x, gain, residual, self.eps, gain2)
+                if y is not None:
+                    return y
+        h = residual + self(x)
+        return h if then is None else (h, then(h))
 
     def kernel_gain(self) -> torch.Tensor | None:
         """The fp32 gain [dim] the C kernels multiply by ((1 + w) for Gemma), None if not fp32 CPU."""
         gain = self._offset_gain() if self.offset else self.weight
-        return gain if gain.dtype == torch.float32 and gain.device.type == "cpu" else None
+        return gain if gain.dtype == torch.float32 and gain.is_cpu and gain.is_contiguous() else None
 
     def _offset_gain(self) -> torch.Tensor:
         """1 + w in fp32, cached while the weight is unchanged and no gradient flows to it."""
