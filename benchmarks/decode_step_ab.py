@@ -8,6 +8,7 @@
     python benchmarks/decode_step_ab.py panels       # fp32 GEMMs of 1..128 rows: MKL vs the packed-panel kernel
     python benchmarks/decode_step_ab.py packed-decode  # batch-1 fp32 decode, pack_weights off / on
     python benchmarks/decode_step_ab.py argmax       # greedy pick over [rows, 262144]: torch max vs the C kernel
+    python benchmarks/decode_step_ab.py int4-rows    # PyTorch's int4 kernel on one row: GB/s per matrix shape
     python benchmarks/decode_step_ab.py fused-step   # batch-1 fp32 / int8 decode: the per-layer torch ops
                                                      # vs the fused prologue, residual norms, q/k/v panels
 
@@ -263,6 +264,26 @@ def fused_step(args) -> dict:
     return out
 
 
+def int4_rows(args) -> dict:
+    """One row through QuantLinear int4 (PyTorch's _weight_int4pack_mm_for_cpu, bf16 activations)
+    on Gemma 3 270M's shapes: the weight bytes over the time, from cache (so not memory-bound)."""
+    from kvserve.quant.linear import QuantLinear
+    from kvserve.quant.rtn import quantize_rtn
+    from kvserve.quant.spec import QuantSpec
+
+    spec = QuantSpec(bits=4, sym=False, group_size=128)
+    out = {}
+    for name, (n, k) in {"head": (262144, 640), "qkv": (1536, 640), "gate_up": (4096, 640),
+                         "down": (640, 2048)}.items():
+        layer = QuantLinear.from_quantized(quantize_rtn(torch.randn(n, k) * 0.02, spec), kernel="int4")
+        x = torch.randn(1, k)
+        ms = _ms(lambda: layer(x), args.reps)
+        nbytes = layer.weight_nbytes
+        out[name] = {"ms": ms, "weight_bytes": nbytes, "GB_s": nbytes / ms / 1e6}
+        print(f"{name:8s} {n}x{k}: {ms:.3f} ms, {nbytes / ms / 1e6:.1f} GB/s of weights")
+    return out
+
+
 def argmax(args) -> dict:
     from kvserve import kernels
 
@@ -279,7 +300,7 @@ def argmax(args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["head-rows", "fusion", "norm", "int8-gemv", "fused-decode", "panels",
-                                     "packed-decode", "argmax", "fused-step"])
+                                     "packed-decode", "argmax", "fused-step", "int4-rows"])
     ap.add_argument("--reps", type=int, default=7, help="calls per GEMM timing (median)")
     ap.add_argument("--rounds", type=int, default=4, help="alternating requests per decode variant")
     ap.add_argument("--threads", type=int, default=2)
@@ -289,7 +310,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     run = {"head-rows": head_rows, "fusion": fusion, "norm": norm, "int8-gemv": int8_gemv,
            "fused-decode": fused, "panels": panels, "packed-decode": packed_decode, "argmax": argmax,
-           "fused-step": fused_step}[args.what]
+           "fused-step": fused_step, "int4-rows": int4_rows}[args.what]
     data = run(args)
     print(machine())
     save_json(f"decode_step_{args.what.replace('-', '_')}", {"results": data}, args.json_dir)
