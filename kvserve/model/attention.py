@@ -217,16 +217,8 @@ class DecodeBatch:
     max_len: int  # max(lens)
     _starts: dict = field(default_factory=dict, repr=False)
     _groups: dict = field(default_factory=dict, repr=False)
-    _covers: tuple[int, bool] | None = field(default=None, repr=False)
 
     GROUP = 16  # sequences per attention call on the fallback path
-
-    def covers_all(self, num_rows: int) -> bool:
-        """Whether the batch's rows are exactly 0..num_rows-1 in order (a decode-only step)."""
-        if self._covers is None:
-            n = int(self.rows.shape[0])
-            self._covers = (n, n == 0 or (int(self.rows[0]) == 0 and int(self.rows[-1]) == n - 1))
-        return self._covers[0] == num_rows and self._covers[1]
 
     def starts(self, window: int | None) -> torch.Tensor:
         """First attended position per sequence [B] int32 (shared by all layers of a window)."""
@@ -353,25 +345,25 @@ class Attention(nn.Module):
         path: the size limit is the one under which the norms take the C kernel there too."""
         if q.numel() > layers.NORM_KERNEL_MAX_ELEMENTS or kv_cache.quantized or torch.is_grad_enabled():
             return None
+        # (k, v and k_norm are None for a layer reusing another layer's K/V.)
         q_gain = None if self.q_norm is None else self.q_norm.kernel_gain()
-        k_gain = None if self.k_norm is None or not self.computes_kv else self.k_norm.kernel_gain()
-        if self.q_norm is not None and (q_gain is None or (self.k_norm is not None and self.computes_kv and (
-                k_gain is None or self.k_norm.eps != self.q_norm.eps))):
+        k_gain = None if self.k_norm is None else self.k_norm.kernel_gain()
+        if (self.q_norm is not None and q_gain is None) or (self.k_norm is not None and (
+                k_gain is None or self.k_norm.eps != self.q_norm.eps)):
             return None
-        k_pool = v_pool = None
-        if self.computes_kv:
-            k_pool, v_pool, _ = kv_cache.layer(self.layer)
+        k_pool, v_pool, _ = kv_cache.layer(self.layer) if self.computes_kv else (None, None, None)
         eps = self.q_norm.eps if self.q_norm is not None else 0.0
         cos, sin = cos_sin
-        return norm_rope_write(q, k if self.computes_kv else None, v if self.computes_kv else None, q_gain, k_gain,
-                               eps, cos, sin, meta.slot_mapping, k_pool, v_pool)
+        return norm_rope_write(q, k, v, q_gain, k_gain, eps, cos, sin, meta.slot_mapping, k_pool, v_pool)
 
     def _attend_all(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """Rotated q [T, H, D] against the pool (this step's K/V already written) -> o_proj'd
         output [T, hidden]."""
         T = q.shape[0]
-        if meta.decode is not None and not meta.seqs and meta.decode.covers_all(T):
-            out = self._decode_direct(q, kv_cache, meta.decode)  # every row a decode row, in order
+        # No multi-token sequences: the runner made every row a decode row, in input order, so q
+        # goes to the kernel as it is, without a gather and scatter of rows.
+        if meta.decode is not None and not meta.seqs and meta.decode.rows.shape[0] == T:
+            out = self._decode_kernel(q, kv_cache, meta.decode)
             if out is not None:
                 return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
         out = torch.empty_like(q)
@@ -386,9 +378,8 @@ class Attention(nn.Module):
 
     def fuse_panels(self) -> None:
         """Pack q/k/v (bias-free PanelLinears) as one matrix; idempotent."""
-        if self.computes_kv and (self.qkv_panels is None or self.qkv_panels.weights != (
-                self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)):
-            self.qkv_panels = fused_panels(self.q_proj, self.k_proj, self.v_proj)
+        if self.computes_kv:
+            self.qkv_panels = fused_panels(self.qkv_panels, self.q_proj, self.k_proj, self.v_proj)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """x [T, hidden] -> q [T, H, D], k and v [T, KVH, D] (None for a layer reusing another's K/V)."""
@@ -424,9 +415,9 @@ class Attention(nn.Module):
         o = F.scaled_dot_product_attention(qg[None], k[None], v[None], attn_mask=mask, scale=self.scale)[0]
         return o.view(self.num_kv_heads, G, T, self.head_dim).permute(2, 0, 1, 3).reshape(T, self.num_heads, -1)
 
-    def _decode_direct(self, q: torch.Tensor, kv_cache: KVCache, batch: DecodeBatch) -> torch.Tensor | None:
-        """The C kernel on q [B, H, D] whose rows are the batch's sequences in order -> [B, H, D],
-        without gathering and scattering rows; None where the kernel does not apply."""
+    def _decode_kernel(self, q: torch.Tensor, kv_cache: KVCache, batch: DecodeBatch) -> torch.Tensor | None:
+        """The C kernel on q [B, H, D], one row per sequence of the batch in order -> [B, H, D];
+        None where it does not apply (a quantized pool, no kernel, another dtype or device)."""
         if kv_cache.quantized:
             return None
         k_pool, v_pool, _ = kv_cache.layer(self.kv_source)
@@ -435,13 +426,10 @@ class Attention(nn.Module):
 
     def _decode(self, q: torch.Tensor, kv_cache: KVCache, batch: DecodeBatch, out: torch.Tensor) -> None:
         """Attention for the decode rows of q [T, H, D], written into out [T, H, D]."""
-        if not kv_cache.quantized:  # the kernel reads the pool in place (fp32 / bf16 only)
-            k_pool, v_pool, _ = kv_cache.layer(self.kv_source)
-            o = paged_decode_attention(q[batch.rows], k_pool, v_pool, batch.block_tables, batch.starts(self.window),
-                                       batch.lens, batch.block_size, self.scale, batch.max_len)
-            if o is not None:
-                out[batch.rows] = o
-                return
+        o = self._decode_kernel(q[batch.rows], kv_cache, batch)  # reads the pool in place
+        if o is not None:
+            out[batch.rows] = o
+            return
         G = self.num_heads // self.num_kv_heads
         for rows, slots, mask in batch.groups(self.window):
             B, L = slots.shape

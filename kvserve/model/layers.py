@@ -160,8 +160,7 @@ class GatedMLP(nn.Module):
 
     def fuse_panels(self) -> None:
         """Pack gate/up (bias-free PanelLinears) as one matrix; idempotent."""
-        if self.gate_up_panels is None or self.gate_up_panels.weights != (self.gate_proj.weight, self.up_proj.weight):
-            self.gate_up_panels = fused_panels(self.gate_proj, self.up_proj)
+        self.gate_up_panels = fused_panels(self.gate_up_panels, self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = None

@@ -81,12 +81,17 @@ class PanelLinear(nn.Linear):
         return F.linear(x, self.weight, self.bias) if y is None else y
 
 
-def fused_panels(*linears: nn.Module) -> Panels | None:
+def fused_panels(current: Panels | None, *linears: nn.Module) -> Panels | None:
     """One packed copy of bias-free PanelLinears that read the same input (q/k/v, gate/up),
-    their own copies dropped; None (nothing changed) when they are not all such layers."""
+    their own copies dropped; `current` when it already stacks these weights (engines sharing a
+    model pack once), None (nothing changed) when they are not all such layers."""
     if not linears or any(type(m) is not PanelLinear or m.bias is not None for m in linears):
         return None
-    panels = Panels.pack(*(m.weight for m in linears))
+    weights = tuple(m.weight for m in linears)
+    if current is not None and len(current.weights) == len(weights) and all(
+            a is b for a, b in zip(current.weights, weights)):  # identity: == on tensors is elementwise
+        return current
+    panels = Panels.pack(*weights)
     if panels is not None:
         for m in linears:
             m.panels = None

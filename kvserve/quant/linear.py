@@ -234,12 +234,6 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype."""
-        if (self._gemv is not None and x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.float32
-                and self.act_dtype == torch.bfloat16 and self.bias is None and x.device.type == "cpu"):
-            # A batch-1 decode row, the common case of a decode step: the C kernel straight away.
-            y = kernels.int8_gemv(x, self.qweight, self._gemv, round_bf16=True)
-            if y is not None:
-                return y
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] == 0:
