@@ -11,6 +11,9 @@
     python benchmarks/decode_step_ab.py int4-rows    # PyTorch's int4 kernel on one row: GB/s per matrix shape
     python benchmarks/decode_step_ab.py fused-step   # batch-1 fp32 / int8 decode: the per-layer torch ops
                                                      # vs the fused prologue, residual norms, q/k/v panels
+    python benchmarks/decode_step_ab.py lowbit-rows  # int8 / int4 matmuls of 1..512 rows: PyTorch's kernels,
+                                                     # kvserve's C kernels, dequantize + fp32 matmul
+    python benchmarks/decode_step_ab.py decode-plan  # batch-1 decode: the layers from Python vs one C call
 
 GEMM timings are medians of repeated calls; the decode ones alternate A and B over --rounds
 requests of the bundled Gemma 3 270M (a 200-token prompt, 96 new tokens) and compare tokens.
@@ -181,7 +184,8 @@ def _interleaved_ms(fns: dict[str, Callable[[], object]], reps: int) -> dict[str
 
 
 def panels(args) -> dict:
-    """Gemma 3 270M's fp32 matrices (the tied head, q/k/v, o, gate/up, down) against 1..128 rows:
+    """Gemma 3 270M's fp32 matrices (the tied head, q/k/v, o, gate/up, down) against 1..128 rows
+    (the layers also 256 and 512, prefill chunks):
     F.linear (MKL; the head as the engine ran it before, 5..15 rows padded to 16) vs panel_matmul."""
     from kvserve import kernels
     from kvserve.model.base import head_matmul
@@ -191,7 +195,7 @@ def panels(args) -> dict:
                          "down": (640, 2048)}.items():
         w = torch.randn(n, k)
         packed = kernels.pack_panels(w)
-        for m in (1, 4, 8, 16, 32, 64, 128):
+        for m in (1, 4, 8, 16, 32, 64, 128) + ((256, 512) if name != "head" else ()):
             x = torch.randn(m, k)
             mkl = (lambda: head_matmul(x, w)) if name == "head" else (lambda: F.linear(x, w))
             r = _interleaved_ms({"mkl": mkl, "panels": lambda: kernels.panel_matmul(x, packed, n)}, args.reps)
@@ -284,6 +288,62 @@ def int4_rows(args) -> dict:
     return out
 
 
+def lowbit_rows(args) -> dict:
+    """Gemma 3 270M's int8 / int4 projections (QuantLinear as the engine builds them) against 1..512
+    rows: PyTorch's kernels (bf16 activations), kvserve's C kernels (the rows kernel's per-row
+    loop), and the weight dequantized to fp32 + F.linear; calls interleaved, from cache."""
+    from kvserve import kernels
+    from kvserve.quant.linear import QuantLinear
+    from kvserve.quant.packing import cpu_int4_block_n
+    from kvserve.quant.rtn import quantize_rtn
+    from kvserve.quant.spec import QuantSpec
+
+    specs = {"int8": QuantSpec(bits=8, sym=True, granularity="channel", scale_dtype=torch.bfloat16),
+             "int4": QuantSpec(bits=4, sym=False, group_size=128, scale_dtype=torch.bfloat16)}
+    out = {}
+    for kind, spec in specs.items():
+        for name, (n, k) in {"qkv": (1536, 640), "gate_up": (4096, 640), "down": (640, 2048)}.items():
+            layer = QuantLinear.from_quantized(quantize_rtn(torch.randn(n, k) * 0.02, spec), kernel=kind)
+            layer.use_gemv_kernel()
+            torch_path = lambda x: (torch.ops.aten._weight_int8pack_mm(x.bfloat16(), layer.qweight, layer.scales)  # noqa: E731
+                                    if kind == "int8" else torch.ops.aten._weight_int4pack_mm_for_cpu(
+                                        x.bfloat16(), layer.qweight, layer.group_size, layer.scales_and_zeros))
+            c_path = lambda x: (kernels.int8_gemv(x, layer.qweight, layer._gemv) if kind == "int8"  # noqa: E731
+                                else kernels.int4_gemv(x, layer.qweight, layer._gemv, layer.group_size,
+                                                       cpu_int4_block_n()))
+            for m in (1, 4, 16, 64, 128, 512):
+                x = torch.randn(m, k)
+                r = _interleaved_ms({"pytorch": lambda: torch_path(x), "kvserve C": lambda: c_path(x),
+                                     "dequant+F.linear": lambda: layer._dequantized_matmul(x)}, args.reps)
+                out[f"{kind} {name} {n}x{k} rows {m}"] = r
+                print(f"{kind} {name:8s} {n}x{k} rows {m:3d}: " + ", ".join(f"{a} {b:.3f} ms" for a, b in r.items()))
+    return out
+
+
+def decode_plan(args) -> dict:
+    """Batch-1 decode with the layers run from Python vs as one C call (model/decode_plan.py): one
+    engine per --weights, the plan switched off and on between alternating requests."""
+    from kvserve.model.decode_plan import DecodePlan
+
+    applies = DecodePlan.applies
+
+    def use(engine, on: bool):
+        def setup():
+            DecodePlan.applies = staticmethod(applies if on else (lambda h, meta: False))
+            return engine
+        return setup
+
+    out = {}
+    try:
+        for weights in args.weights.split(","):
+            engine = _llm(weights)
+            out[weights] = _decode_ab(args, weights, {"python layers": use(engine, False), "C plan": use(engine, True)})
+            del engine
+    finally:
+        DecodePlan.applies = staticmethod(applies)
+    return out
+
+
 def argmax(args) -> dict:
     from kvserve import kernels
 
@@ -300,17 +360,19 @@ def argmax(args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["head-rows", "fusion", "norm", "int8-gemv", "fused-decode", "panels",
-                                     "packed-decode", "argmax", "fused-step", "int4-rows"])
+                                     "packed-decode", "argmax", "fused-step", "int4-rows", "lowbit-rows",
+                                     "decode-plan"])
     ap.add_argument("--reps", type=int, default=7, help="calls per GEMM timing (median)")
     ap.add_argument("--rounds", type=int, default=4, help="alternating requests per decode variant")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--weights", default="fp32,int8", help="fused-step: the engines' --weights")
+    ap.add_argument("--weights", default="fp32,int8", help="fused-step, decode-plan: the engines' --weights")
     ap.add_argument("--json-dir", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     run = {"head-rows": head_rows, "fusion": fusion, "norm": norm, "int8-gemv": int8_gemv,
            "fused-decode": fused, "panels": panels, "packed-decode": packed_decode, "argmax": argmax,
-           "fused-step": fused_step, "int4-rows": int4_rows}[args.what]
+           "fused-step": fused_step, "int4-rows": int4_rows, "lowbit-rows": lowbit_rows,
+           "decode-plan": decode_plan}[args.what]
     data = run(args)
     print(machine())
     save_json(f"decode_step_{args.what.replace('-', '_')}", {"results": data}, args.json_dir)

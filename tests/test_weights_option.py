@@ -1,8 +1,10 @@
 """EngineConfig.weights / `--weights int8|int4`: the engine RTN-quantizes every linear, the LM head
-and the embedding at start onto PyTorch's CPU int8 / int4 kernels.
+and the embedding at start, in PyTorch's CPU int8 / int4 layouts, and runs them on kvserve's C
+kernels (fp32 arithmetic; PyTorch's bf16-activation kernels without a compiler).
 
 Oracle: the same engine over a float model whose every layer multiplies by the *dequantized*
-weight (activations rounded to bf16 first, as the kernels do): greedy tokens must be equal."""
+weight in fp32 (activations rounded to bf16 first where PyTorch's kernels run, as they do):
+greedy tokens must be equal."""
 from __future__ import annotations
 
 import copy
@@ -21,14 +23,14 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a te
 
 
 class DequantizedLinear(nn.Module):
-    """The oracle for one QuantLinear: fp32 matmul by its dequantized weight, the input rounded
-    to the kernel's activation dtype."""
+    """The oracle for one QuantLinear: fp32 matmul by its dequantized weight; the input rounded to
+    the kernel's activation dtype when the layer runs on PyTorch's kernels (no C kernel)."""
 
     def __init__(self, q: QuantLinear):
         super().__init__()
         self.weight = q.dequantized_weight()
         self.bias = q.bias
-        self.act_dtype = q.act_dtype
+        self.act_dtype = q.act_dtype if q._gemv is None else torch.float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x.to(self.act_dtype).to(x.dtype), self.weight.to(x.dtype))
@@ -112,43 +114,57 @@ def test_cli_generate_with_int4_weights(tmp_path, capsys):
                  "--ignore-eos", "--kv-cache-gib", "0.05", "--quiet-metrics", "hello"]) == 0
 
 
-def test_int8_gemv_kernel_equals_pytorchs_kernel(monkeypatch):
-    """The batch-1 C kernel: same bf16-rounded input and output as `_weight_int8pack_mm`, fp32 sums;
-    within one bf16 rounding of it and of the dequantized reference. K = 80: the 64-wide and the
-    16-wide loops both run."""
-    from kvserve.kernels import kernel_lib, lowbit_lib
+@pytest.mark.parametrize("spec", [
+    dict(bits=8, sym=True, granularity="channel"),
+    dict(bits=4, sym=True, granularity="group", group_size=32),
+    dict(bits=4, sym=False, granularity="group", group_size=32),
+])
+def test_kernel_path_is_the_fp32_dequantized_product(monkeypatch, spec):
+    """kvserve's C kernels (use_gemv_kernel): up to GEMV_MAX_ROWS rows, F.linear by the dequantized
+    weight up to fp32 rounding, each row bitwise what it is alone; more rows, that F.linear itself.
+    K = 96: the kernels' wide and narrow loops both run; N = 144: whole row tiles and a short last one."""
+    from kvserve.kernels import lowbit_lib
+    from kvserve.quant.linear import GEMV_MAX_ROWS
     from kvserve.quant.rtn import quantize_rtn
     from kvserve.quant.spec import QuantSpec
 
     if lowbit_lib() is None:
         pytest.skip("no C compiler")
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(96, 80, generator=g)
-    layer = QuantLinear.from_quantized(quantize_rtn(w, QuantSpec(bits=8, sym=True, granularity="channel",
-                                                                 scale_dtype=torch.bfloat16)))
-    x = torch.randn(1, 80, generator=g)
-    x3 = torch.randn(3, 80, generator=g)
-    torch_y, torch_y3 = layer(x), layer(x3)
-    assert layer.kernel == "int8" and layer.use_gemv_kernel()
-    y = layer(x)
-    ref = x.bfloat16().float() @ layer.dequantized_weight().t()
-    tol = 2 ** -7 * ref.abs() + 1e-6  # one bf16 rounding of the output
-    assert (y - ref).abs().le(tol).all() and (y - torch_y).abs().le(2 * tol).all()
-    assert torch.equal(layer(x3), torch_y3)  # batches keep PyTorch's kernel
-    # The kernel's own bf16 rounding (to nearest even) is torch's, on the way in and out.
-    from kvserve.kernels import int8_gemv
-    ties = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8)]).repeat(27)[None, :80]  # halfway cases
-    for row in (x, ties):
-        plain = int8_gemv(row.bfloat16().float(), layer.qweight, layer._gemv)
-        assert torch.equal(int8_gemv(row, layer.qweight, layer._gemv, round_bf16=True), plain.bfloat16().float())
-    asym = QuantLinear.from_quantized(quantize_rtn(w, QuantSpec(bits=8, sym=False, granularity="channel")))
-    assert asym.kernel == "int8" and not asym.use_gemv_kernel()  # offsets: PyTorch's path only
+    layer = QuantLinear.from_quantized(quantize_rtn(torch.randn(144, 96, generator=g),
+                                                    QuantSpec(scale_dtype=torch.bfloat16, **spec)))
+    x = torch.randn(GEMV_MAX_ROWS + 5, 96, generator=g)
+    torch_path = layer(x[:3])
+    assert layer.use_gemv_kernel()
+    w = layer.dequantized_weight()
+    few = layer(x[:GEMV_MAX_ROWS])
+    ref = F.linear(x[:GEMV_MAX_ROWS], w)
+    # fp32 error bound of a K-term sum (int4 takes s * sum(u x) + (z - 8 s) * sum(x): cancellation)
+    bound = 1e-5 * (x[:GEMV_MAX_ROWS].abs() @ (w.abs() + 2 * w.abs().max()).t())
+    assert (few - ref).abs().le(bound).all()
+    assert all(torch.equal(layer(x[i:i + 1]), few[i:i + 1]) for i in range(0, GEMV_MAX_ROWS, 7))
+    assert torch.equal(layer(x), F.linear(x, w))  # past GEMV_MAX_ROWS: the dequantized matmul
+    # PyTorch's kernels (bf16 activations) agree to a bf16 rounding.
+    torch.testing.assert_close(few[:3], torch_path, rtol=2 ** -6, atol=2 ** -6 * float(ref.abs().max()))
     monkeypatch.setenv("KVSERVE_NO_KERNELS", "1")
+    from kvserve.kernels import kernel_lib
     kernel_lib.cache_clear()
     try:
-        assert torch.equal(layer(x), torch_y)  # no kernel: PyTorch's path
+        assert torch.equal(layer(x[:3]), torch_path)  # no kernel: PyTorch's path
     finally:
         kernel_lib.cache_clear()
+
+
+def test_int4_tile_height_is_read_off_the_op():
+    from kvserve.quant.packing import cpu_int4_block_n
+
+    if not hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"):
+        pytest.skip("this torch has no CPU int4 kernel")
+    bn = cpu_int4_block_n()
+    assert bn in (32, 64)
+    codes = torch.zeros(bn, 2, dtype=torch.int32)
+    codes[bn // 2, 0] = 3  # the first row of the tile's upper half: the high nibble of byte 0
+    assert torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2).reshape(-1)[0] == 3 << 4
 
 
 def test_int8_kernel_is_not_chosen_for_widths_pytorchs_op_gets_wrong():

@@ -38,6 +38,11 @@ def _cpu_signature() -> str:
     return platform.processor() or platform.machine()
 
 
+# Libraries a source links beyond libm: gelu.c calls glibc's vector tanhf (libmvec); where it is
+# missing the build fails and that kernel falls back to torch.
+_LIBS = {"gelu.c": ["-lmvec"]}
+
+
 def _compile(src: Path, out: Path) -> None:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
@@ -45,7 +50,8 @@ def _compile(src: Path, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_out = Path(tmp) / out.name
-        proc = subprocess.run([cc, *_FLAGS, str(src), "-o", str(tmp_out), "-lm"], capture_output=True, text=True)
+        proc = subprocess.run([cc, *_FLAGS, str(src), "-o", str(tmp_out), *_LIBS.get(src.name, []), "-lm"],
+                              capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed on {src.name}: {proc.stderr.strip()[:500]}")
         os.replace(tmp_out, out)  # atomic: a concurrent process never loads a half-written file
@@ -59,7 +65,7 @@ def _load(name: str) -> ctypes.CDLL | None:
 
     src = Path(__file__).with_name(f"{name}.c")
     headers = b"".join(h.read_bytes() for h in sorted(src.parent.glob("*.h")))  # shared by some sources
-    key = hashlib.sha256(src.read_bytes() + headers + " ".join(_FLAGS).encode()
+    key = hashlib.sha256(src.read_bytes() + headers + " ".join(_FLAGS + _LIBS.get(src.name, [])).encode()
                          + _cpu_signature().encode()).hexdigest()[:16]
     so = cache_root() / "kernels" / f"{name}-{key}.so"
     try:
@@ -76,12 +82,16 @@ _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES: dict[str, dict[str, tuple[list, object]]] = {
     "paged_attention": {"paged_decode": ([_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I, _I],
                                          ctypes.c_int)},
-    "lowbit_gemv": {"int8_gemv": ([_P, _P, _P, _P, _I, _I, _I, _I], None)},  # batch-1 int8 weights
+    "lowbit_gemv": {"int8_gemv": ([_P, _P, _P, _P, _I, _I, _I, _I], None),  # a few rows, int8 / int4 weights
+                    "int4_gemv": ([_P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I], ctypes.c_int),
+                    "int4_dequant": ([_P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I], None)},
     "rms_norm": {"rms_norm": ([_P, _P, _P, _I, _I, _F, _I], None),  # a few fp32 rows
                  "add_rms_norm": ([_P, _P, _P, _P, _P, _P, _I, _I, _F, _I], None)},
     "rope_cache": {"norm_rope_write": ([_P, _L, _P, _L, _P, _L, _I, _I, _I, _I, _P, _P, _F, _P, _P, _P, _P, _P, _P,
                                         _I], None)},  # a decode step's attention prologue
     "argmax": {"argmax_rows": ([_P, _P, _I, ctypes.c_int64, _I], None)},  # greedy picks
+    "gelu": {"gelu_tanh_mul": ([_P, _P, _P, _I, _I, _L, _I], None)},  # Gemma's MLP activation
+    "decode_step": {"decode_layers": ([_P, _P, _P, _I, _P], ctypes.c_int)},  # model/decode_plan.py
     "panel_gemm": {"panel_width": ([], ctypes.c_int),  # fp32 decode-step matmuls on packed weights
                    "pack_panels": ([_P, _P, _I, _I, _I], None),
                    "panel_gemm": ([_P, _P, _P, _I, _I, _I, _I], None)},
@@ -97,6 +107,12 @@ def kernel_lib(source: str) -> ctypes.CDLL | None:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, res
     return lib
+
+
+def kernel_address(source: str, name: str) -> int | None:
+    """The address of kernels/<source>.c's function `name` (for a C caller: decode_step.c), or None."""
+    lib = kernel_lib(source)
+    return None if lib is None else ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
 
 
 _F32 = torch.float32
@@ -193,20 +209,71 @@ def norm_rope_write(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | N
     return out
 
 
-def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-              round_bf16: bool = False) -> torch.Tensor | None:
-    """y [1, N] fp32 = x [1, K] fp32 @ (scale[:, None] * qweight)^T with the C kernel; None when it
-    is unavailable. qweight int8 [N, K] (a symmetric grid), scale [N] fp32. round_bf16: x and y
-    rounded to bfloat16 values (kept in fp32), as PyTorch's int8 kernel rounds them."""
+def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
+    """y [M, N] fp32 = x [M, K] fp32 @ (scale[:, None] * qweight)^T with the C kernel for a few
+    rows (each row computed as it would be alone); None when it is unavailable. qweight int8
+    [N, K] (a symmetric grid), scale [N] fp32."""
     lib = lowbit_lib()
     if lib is None:
         return None
     x = x.contiguous()
-    n, k = qweight.shape[0], x.shape[1]
-    y = torch.empty(1, n, dtype=torch.float32)
-    lib.int8_gemv(x.data_ptr(), qweight.data_ptr(), scale.data_ptr(), y.data_ptr(), n, k, torch.get_num_threads(),
-                  int(round_bf16))
+    (m, k), n = x.shape, qweight.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    lib.int8_gemv(x.data_ptr(), qweight.data_ptr(), scale.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads())
     return y
+
+
+def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
+              block_n: int) -> torch.Tensor | None:
+    """y [M, N] fp32 = x [M, K] fp32 @ W^T for W held in `_weight_int4pack_mm_for_cpu`'s layout
+    (qweight uint8 [N, K/2] in tiles of block_n rows, kvserve/quant/packing.py; scales_and_zeros
+    [K/g, N, 2] bf16 or fp32: W = (u - 8) s + z), with the C kernel for a few rows (each computed
+    as it would be alone); None when it is unavailable or does not take this tile height."""
+    lib = lowbit_lib()
+    if lib is None or scales_and_zeros.dtype not in (torch.bfloat16, torch.float32):
+        return None
+    x, sz = x.contiguous(), scales_and_zeros.contiguous()
+    (m, k), n = x.shape, qweight.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    rc = lib.int4_gemv(x.data_ptr(), qweight.data_ptr(), sz.data_ptr(), int(sz.dtype == torch.bfloat16),
+                       y.data_ptr(), m, n, k, group_size, block_n, torch.get_num_threads())
+    return y if rc == 0 else None
+
+
+def int4_dequant(qweight: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int, block_n: int,
+                 n0: int, n1: int) -> torch.Tensor | None:
+    """Rows [n0, n1) of W = (u - 8) s + z [N, K] fp32 from the int4 layout (as `int4_gemv`), the
+    same two roundings as torch's `(u - 8) * s + z`; n0 a multiple of block_n, n1 one too or N.
+    None when the kernel is unavailable."""
+    lib = lowbit_lib()
+    if lib is None or scales_and_zeros.dtype not in (torch.bfloat16, torch.float32):
+        return None
+    sz = scales_and_zeros.contiguous()
+    n, k = qweight.shape[0], qweight.shape[1] * 2
+    out = torch.empty(n1 - n0, k, dtype=torch.float32)
+    lib.int4_dequant(qweight.data_ptr(), sz.data_ptr(), int(sz.dtype == torch.bfloat16), out.data_ptr(), n, k,
+                     group_size, block_n, n0, n1, torch.get_num_threads())
+    return out
+
+
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """gelu_tanh(gate) * up for fp32 CPU [..., n] views whose rows share one stride (a fused
+    gate_up output's halves, or two contiguous tensors of one shape) -> [..., n] contiguous; None
+    when the kernel does not apply."""
+    if not (_f32_cpu(gate, up) and gate.shape == up.shape and gate.dim() >= 1 and gate.stride(-1) == 1
+            and up.stride(-1) == 1):
+        return None
+    n = gate.shape[-1]
+    g2, u2 = gate.reshape(-1, n), up.reshape(-1, n)  # views when the rows are evenly strided
+    stride = g2.stride(0) if g2.shape[0] > 1 else n
+    if g2.shape[0] > 1 and u2.stride(0) != stride:
+        return None
+    lib = kernel_lib("gelu")
+    if lib is None:
+        return None
+    out = torch.empty(gate.shape, dtype=torch.float32)
+    lib.gelu_tanh_mul(g2.data_ptr(), u2.data_ptr(), out.data_ptr(), g2.shape[0], n, stride, torch.get_num_threads())
+    return out
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:

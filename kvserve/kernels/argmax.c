@@ -6,7 +6,7 @@
  */
 #include <math.h>
 #include <stdint.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -43,6 +43,36 @@ static int64_t row_argmax(const float *x, int64_t n) {
         _mm512_storeu_si512(id, vidx);
         int64_t best = id[0];
         for (int l = 1; l < 16; l++)
+            if (m[l] > x[best] || (m[l] == x[best] && id[l] < best)) best = id[l];
+        for (; i < n; i++) {
+            if (isnan(x[i])) return scalar_argmax(x, n);
+            if (x[i] > x[best]) best = i;
+        }
+        return best;
+    }
+#elif defined(__AVX2__)
+    if (n >= 8) { /* the same with 8 lanes */
+        __m256 vmax = _mm256_loadu_ps(x);
+        __m256i vidx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const __m256i step = _mm256_set1_epi32(8);
+        __m256i cur = vidx;
+        int nan = _mm256_movemask_ps(_mm256_cmp_ps(vmax, vmax, _CMP_UNORD_Q));
+        int64_t i = 8;
+        for (; i + 8 <= n && i + 8 <= INT32_MAX; i += 8) {
+            cur = _mm256_add_epi32(cur, step);
+            const __m256 v = _mm256_loadu_ps(x + i);
+            nan |= _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            const __m256 gt = _mm256_cmp_ps(v, vmax, _CMP_GT_OQ); /* strictly: keeps the first */
+            vmax = _mm256_blendv_ps(vmax, v, gt);
+            vidx = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(vidx), _mm256_castsi256_ps(cur), gt));
+        }
+        if (nan) return scalar_argmax(x, n); /* rare: find the first NaN */
+        float m[8];
+        int32_t id[8];
+        _mm256_storeu_ps(m, vmax);
+        _mm256_storeu_si256((__m256i *)id, vidx);
+        int64_t best = id[0];
+        for (int l = 1; l < 8; l++)
             if (m[l] > x[best] || (m[l] == x[best] && id[l] < best)) best = id[l];
         for (; i < n; i++) {
             if (isnan(x[i])) return scalar_argmax(x, n);

@@ -21,7 +21,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -58,7 +58,7 @@ static inline float dot(const float *restrict a, const float *restrict b, int D)
     return s;
 }
 
-/* out[g] = q[g] . k for the G query heads sharing a K row: with AVX-512 four heads at a time,
+/* out[g] = q[g] . k for the G query heads sharing a K row: with AVX-512 (or AVX2) four heads at a time,
  * two accumulators each, so eight independent FMA chains hide the FMA latency that one
  * reduction per head serialised on (the score pass ran ~3x slower than its loads). */
 static inline void dots(const float *restrict q, const float *restrict k, int G, int D, float *restrict out) {
@@ -77,6 +77,30 @@ static inline void dots(const float *restrict q, const float *restrict k, int G,
                 }
             }
             for (int h = 0; h < 4; h++) out[g + h] = _mm512_reduce_add_ps(_mm512_add_ps(a[2 * h], a[2 * h + 1]));
+        }
+        for (; g < G; g++) out[g] = dot(q + (int64_t)g * D, k, D);
+        return;
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (D % 16 == 0) { /* the same with 8-wide vectors */
+        int g = 0;
+        for (; g + 4 <= G; g += 4) {
+            const float *q0 = q + (int64_t)g * D;
+            __m256 a[8];
+            for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+            for (int d = 0; d < D; d += 16) {
+                const __m256 k0 = _mm256_loadu_ps(k + d), k1 = _mm256_loadu_ps(k + d + 8);
+                for (int h = 0; h < 4; h++) {
+                    a[2 * h] = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + h * D + d), k0, a[2 * h]);
+                    a[2 * h + 1] = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + h * D + d + 8), k1, a[2 * h + 1]);
+                }
+            }
+            for (int h = 0; h < 4; h++) {
+                const __m256 v = _mm256_add_ps(a[2 * h], a[2 * h + 1]);
+                __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+                r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+                out[g + h] = _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
+            }
         }
         for (; g < G; g++) out[g] = dot(q + (int64_t)g * D, k, D);
         return;

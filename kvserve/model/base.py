@@ -12,6 +12,7 @@ from torch import nn
 
 from kvserve.model.attention import AttentionMetadata, KVCache
 from kvserve.model.config import ModelConfig
+from kvserve.model.decode_plan import DecodePlan, plan_for
 from kvserve.model.layers import RMSNorm, RotaryEmbedding
 from kvserve.model.panels import Panels
 
@@ -59,6 +60,11 @@ class CausalLM(nn.Module):
         `num_layers` < all: early exit (the final norm applies to that layer's output)."""
         h = self.embed(input_ids)
         cos_sin = {t: rot.cos_sin(positions, h.dtype) for t, rot in self.rotary.items()}
+        if num_layers is None and DecodePlan.applies(h, meta):  # one decode row: the layers in one C call
+            plan = plan_for(self, kv_cache)
+            out = None if plan is None else plan.run(h, cos_sin, meta)
+            if out is not None:
+                return self.norm(out)
         for i, layer in enumerate(self.layers[:num_layers]):
             h = layer(h, cos_sin[self.config.layer_types[i]], kv_cache, meta)
         return self.norm(h)

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.kernels import add_rms_norm as add_rms_norm_kernel
+from kvserve.kernels import gelu_tanh_mul
 from kvserve.kernels import rms_norm as rms_norm_kernel
 from kvserve.model.config import RopeConfig
 from kvserve.model.panels import Panels, fused_panels
@@ -154,6 +155,9 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.act = activation(act)
+        # fp32 CPU rows of Gemma's gelu_tanh(gate) * up take one C call (kernels/gelu.c) on every
+        # path, the decode-step kernel included, so all of them compute the same numbers.
+        self.gelu_tanh = act in ("gelu_pytorch_tanh", "gelu_tanh")
         # gate and up as one low-bit matmul (kvserve/quant/fuse.py; gate/up_proj are then dropped).
         self.gate_up_proj: nn.Module | None = None
         self.gate_up_panels: Panels | None = None  # fp32 decode steps: one packed matrix (fuse_panels)
@@ -170,5 +174,14 @@ class GatedMLP(nn.Module):
             gate_up = self.gate_up_panels.matmul(x)  # None for prefill-sized inputs
         if gate_up is not None:
             gate, up = gate_up.chunk(2, dim=-1)
-            return self.down_proj(self.act(gate) * up)
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(self.activate(gate, up))
+
+    def activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up."""
+        if self.gelu_tanh and gate.dtype == torch.float32 and not torch.is_grad_enabled():
+            y = gelu_tanh_mul(gate, up)
+            if y is not None:
+                return y
+        return self.act(gate) * up

@@ -51,6 +51,15 @@ class Panels:
         packed = cls._pack(weights)
         return None if packed is None else cls(weights, packed)
 
+    def refresh(self) -> bool:
+        """Repack when a weight changed since packing; False when they no longer pack (not fp32 / CPU)."""
+        if self._stamp_of(self.weights) != self._stamp:
+            repacked = self._pack(self.weights)
+            if repacked is None:
+                return False
+            self.packed, self._stamp = repacked, self._stamp_of(self.weights)
+        return True
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
         """x [..., K] @ the stacked weights^T (+ bias) -> [..., sum N_i]; None where the kernel does
         not apply (more than MAX_PANEL_ROWS rows, another dtype or device, autograd) and PyTorch's
@@ -60,11 +69,8 @@ class Panels:
         if (not 0 < rows <= MAX_PANEL_ROWS or x.dtype != torch.float32 or x.device.type != "cpu"
                 or (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in self.weights)))):
             return None
-        if self._stamp_of(self.weights) != self._stamp:
-            repacked = self._pack(self.weights)
-            if repacked is None:  # no longer fp32 / CPU
-                return None
-            self.packed, self._stamp = repacked, self._stamp_of(self.weights)
+        if not self.refresh():
+            return None
         y = kernels.panel_matmul(x.reshape(rows, k), self.packed, self.rows)
         if bias is not None:
             y = y + bias

@@ -14,13 +14,13 @@ from torch import nn
 from kvserve.model.attention import Attention
 from kvserve.model.layers import GatedMLP
 from kvserve.quant.linear import QuantLinear
-from kvserve.quant.packing import CPU_INT4_BLOCK_N
+from kvserve.quant.packing import cpu_int4_block_n
 
 
 def concat_rows(parts: list[nn.Module]) -> QuantLinear | None:
     """One QuantLinear computing torch.cat([p(x) for p in parts], -1), or None when the parts do
     not share a kernel (int8 / int4), grid, input width and activation dtype, carry a bias, or (int4)
-    have a row count that is not a whole number of the kernel layout's 64-row tiles."""
+    have a row count that is not a whole number of the kernel layout's row tiles."""
     if not all(isinstance(p, QuantLinear) for p in parts):
         return None
     first = parts[0]
@@ -28,12 +28,12 @@ def concat_rows(parts: list[nn.Module]) -> QuantLinear | None:
                and p.act_dtype == first.act_dtype and p.group_size == first.group_size for p in parts)
     if not same or first.kernel not in ("int8", "int4") or any(p.bias is not None for p in parts):
         return None
-    if first.kernel == "int4" and any(p.out_features % CPU_INT4_BLOCK_N for p in parts):
+    if first.kernel == "int4" and any(p.out_features % cpu_int4_block_n() for p in parts):
         return None  # a short last tile is laid out differently: it cannot sit in the middle
     n = sum(p.out_features for p in parts)
     fused = QuantLinear(first.in_features, n, first.spec, first.kernel, first.act_dtype)
     with torch.no_grad():
-        fused.qweight = torch.cat([p.qweight for p in parts])  # whole 64-row tiles: rows stay rows
+        fused.qweight = torch.cat([p.qweight for p in parts])  # whole tiles: rows stay rows
         if first.kernel == "int4":
             fused.scales_and_zeros = torch.cat([p.scales_and_zeros for p in parts], dim=1)  # [K/g, N, 2]
         else:

@@ -19,14 +19,15 @@ Three execution paths ("kernels"), picked per layer by `choose_kernel`:
   output rows into the activation dtype and calls F.linear per chunk. Exact (it multiplies by
   precisely s * (q - z)) but not fast: it reads the codes and writes a float copy each call.
 
-Activations: with torch 2.13 on this machine (AMD EPYC with AVX-512 BF16) the CPU int4/int8
-kernels are fast only with bfloat16 activations: fp32 and fp16 inputs take a scalar loop, 10-25x
-slower than an fp32 GEMV (4096x4096 at batch 1: int8 11.4 ms, int4 24 ms, fp32 2.6 ms, while
-bf16 activations give int8 0.46 ms, int4 0.43 ms). Re-measure on a CPU without AVX-512 BF16. So by default
-(`act_dtype=torch.bfloat16`) an fp32 model's activations are rounded to bf16 for the kernel and
-its output converted back; the scales/zeros table is stored in that dtype. `act_dtype=float32`
-keeps the kernels in fp32 (slow, but equal to F.linear with `dequantized_weight()` to fp32
-rounding). The "dequant" path always computes in the input's dtype.
+Activations: with torch 2.13 the CPU int4/int8 kernels are fast only with bfloat16 activations
+(on an AMD EPYC with AVX-512 BF16, fp32 and fp16 inputs took a scalar loop, 10-25x slower than
+an fp32 GEMV; on a Zen 3 without AVX-512 the bf16 ones ran 1.7x slower than an fp32 matmul at
+512 rows). So by default (`act_dtype=torch.bfloat16`) an fp32 model's activations are rounded to
+bf16 for PyTorch's kernels and their output converted back; the scales/zeros table is stored in
+that dtype. `act_dtype=float32` keeps the kernels in fp32 (slow, but equal to F.linear with
+`dequantized_weight()` to fp32 rounding). The "dequant" path always computes in the input's
+dtype. `use_gemv_kernel` (the engine's `--weights` path) moves int8 / int4 layers onto kvserve's
+own C kernels, which compute in fp32 throughout.
 """
 from __future__ import annotations
 
@@ -35,13 +36,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve import kernels
-from kvserve.quant.packing import check_cpu_int4_shape, cpu_int4_pack, cpu_int4_rows, from_cpu_int4_layout
+from kvserve.quant.packing import (check_cpu_int4_shape, cpu_int4_block_n, cpu_int4_pack, cpu_int4_rows,
+                                   from_cpu_int4_layout)
 from kvserve.quant.rtn import dequantize
 from kvserve.quant.spec import QuantizedWeight, QuantSpec
 
 KERNELS = ("int4", "int8", "dequant")
 INT4_GROUP_SIZES = (256, 128, 64, 32)  # what _weight_int4pack_mm_for_cpu accepts
 _DEQUANT_CHUNK = 1 << 22  # weights dequantized at once by the fallback (16 MiB of fp32)
+# Rows up to which the C kernels multiply directly; more dequantize to fp32 (use_gemv_kernel).
+GEMV_MAX_ROWS = 64  # up to here they matched PyTorch's int kernels per row (benchmarks/decode_step_ab.py lowbit-rows)
 
 
 def _has_op(name: str) -> bool:
@@ -238,7 +242,7 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] == 0:
             return x.new_zeros(*lead, self.out_features)
-        y = self._gemv_forward(x2) if self._gemv is not None and x2.shape[0] == 1 else None
+        y = self._kernel_forward(x2) if self._gemv is not None else None
         if y is not None:
             y = y.to(x.dtype)
         elif self.kernel == "int4":
@@ -256,24 +260,53 @@ class QuantLinear(nn.Module):
         return y.reshape(*lead, self.out_features)
 
     def use_gemv_kernel(self) -> bool:
-        """Send single-row inputs (batch-1 decode) of an int8 layer through kvserve's C kernel
-        (kvserve/kernels/lowbit_gemv.c; 1.7x the batch-1 decode of `_weight_int8pack_mm` here).
-        Input and output are rounded to act_dtype as PyTorch's kernel rounds them, so a sequence
-        decodes the same alone or in a batch. False: not a symmetric int8 layer (PyTorch's int4
-        kernel beat a hand-written one; an asymmetric offset is subtracted outside the kernel)."""
-        if self.kernel != "int8" or self.zero_offset is not None:
-            return False
-        self._gemv = self.scales.float().contiguous()
-        return True
+        """Run this int8 / int4 layer on kvserve's C kernels (kvserve/kernels/lowbit_gemv.c),
+        reading the same buffers: up to GEMV_MAX_ROWS rows (decode steps, short prompts) stream
+        the weights once with every row computed as it would be alone (1.7-2x PyTorch's kernels
+        at one row); more rows (prefill) multiply by the weight dequantized to fp32 a chunk at a
+        time with PyTorch's fp32 matmul, which beat the int kernels' bf16 arithmetic on a CPU
+        without native bf16. Both compute in fp32, activations included, so the layer is F.linear
+        by `dequantized_weight()` up to fp32 rounding (PyTorch's kernels round activations and
+        outputs to bf16: a rounding that tiny differences upstream flip, and logits that tie).
+        False: an asymmetric int8 layer (its offset is subtracted outside PyTorch's kernel) or
+        another kernel."""
+        if self.kernel == "int8" and self.zero_offset is None:
+            self._gemv = self.scales.float().contiguous()
+            return True
+        if self.kernel == "int4" and self.scales_and_zeros.dtype in (torch.bfloat16, torch.float32):
+            self._gemv = self.scales_and_zeros.contiguous()
+            return True
+        return False
 
-    def _gemv_forward(self, x2: torch.Tensor) -> torch.Tensor | None:
+    def _kernel_forward(self, x2: torch.Tensor) -> torch.Tensor | None:
+        """x2 [M, K] -> [M, N] fp32 on the C kernels (see use_gemv_kernel); None where they do not apply."""
         if x2.device.type != "cpu":
             return None
-        if x2.dtype == torch.float32 and self.act_dtype == torch.bfloat16:
-            # The kernel rounds x and y to bf16 values itself, as PyTorch's kernel does.
-            return kernels.int8_gemv(x2, self.qweight, self._gemv, round_bf16=True)
-        y = kernels.int8_gemv(x2.to(self.act_dtype).float(), self.qweight, self._gemv)
-        return None if y is None else y.to(self.act_dtype)  # PyTorch's kernels return act_dtype too
+        x2 = x2.float()
+        if x2.shape[0] > GEMV_MAX_ROWS:
+            return self._dequantized_matmul(x2)
+        if self.kernel == "int4":
+            return kernels.int4_gemv(x2, self.qweight, self._gemv, self.group_size, cpu_int4_block_n())
+        return kernels.int8_gemv(x2, self.qweight, self._gemv)
+
+    def _dequantized_matmul(self, x2: torch.Tensor) -> torch.Tensor | None:
+        """x2 [M, K] fp32 @ dequantized_weight()^T, dequantizing _DEQUANT_CHUNK weights at a time."""
+        n, k = self.out_features, self.in_features
+        step = max(1, _DEQUANT_CHUNK // k)
+        if self.kernel == "int4":
+            bn = cpu_int4_block_n()
+            step = max(bn, step - step % bn)
+        outs = []
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            if self.kernel == "int4":
+                w = kernels.int4_dequant(self.qweight, self._gemv, self.group_size, cpu_int4_block_n(), a, b)
+                if w is None:
+                    return None
+            else:
+                w = self.qweight[a:b].float() * self._gemv[a:b, None]
+            outs.append(F.linear(x2, w))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
     def _dequant_matmul(self, x2: torch.Tensor) -> torch.Tensor:
         """x2 [M, K] -> [M, N]: dequantize a chunk of output rows at a time, F.linear each."""

@@ -6,20 +6,35 @@ Two layouts of the same codes [N, K] (values 0..15, N = output rows, K = inputs)
   nibble: byte[n, j] = codes[n, 2j] | codes[n, 2j + 1] << 4. Portable; what a saved folder holds.
 * PyTorch's CPU int4 kernel layout (`to_cpu_int4_layout` / `from_cpu_int4_layout`), the output of
   `torch.ops.aten._convert_weight_to_int4pack_for_cpu` (torch 2.13) and the input of
-  `_weight_int4pack_mm_for_cpu`: still [N, K/2] uint8, but the rows are tiled in blocks of 64
-  output rows (a last block of N % 64 rows, a multiple of 16). Inside a 64-row block the bytes
-  run k-major, 32 per input column k, and byte j of column k holds rows j (low nibble) and j + 32
-  (high nibble). Inside the short last block of r rows, byte j of column k holds rows 2j and
-  2j + 1. The layout was read off the op and is checked against it bitwise in
+  `_weight_int4pack_mm_for_cpu`: still [N, K/2] uint8, but the rows are tiled in blocks of B
+  output rows (a last block of N % B rows, a multiple of 16), B depending on the instruction set
+  PyTorch dispatches to: 64 with AVX-512, 32 with AVX2 (`cpu_int4_block_n` asks the op). Inside a
+  B-row block the bytes run k-major, B/2 per input column k, and byte j of column k holds rows j
+  (low nibble) and j + B/2 (high nibble). Inside the short last block of r rows, byte j of column
+  k holds rows 2j and 2j + 1. The layout was read off the op and is checked against it bitwise in
   tests/test_quant_rtn.py, so a torch upgrade that changes it fails loudly; QuantLinear packs
-  through the op itself and uses the functions here to read codes back.
+  through the op itself and uses the functions here to read codes back. The layout is this
+  machine's: a saved folder holds the plain one.
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
-CPU_INT4_BLOCK_N = 64  # output rows per tile of the CPU int4 layout
 CPU_INT4_ROW_MULTIPLE = 16  # the op rejects N % 16 != 0
+
+
+@lru_cache(maxsize=None)
+def cpu_int4_block_n() -> int:
+    """Output rows per tile of the CPU int4 layout on this machine, read off the op (packing
+    one code at row 0, column 1: it lands at byte B/2); 64 when this torch has no such op."""
+    op = getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None)
+    if op is None:
+        return 64
+    codes = torch.zeros(64, 2, dtype=torch.int32)
+    codes[0, 1] = 1
+    return 2 * int(torch.nonzero(op(codes, 2).reshape(-1))[0])
 
 
 def _check_codes(codes: torch.Tensor, who: str) -> None:
@@ -64,10 +79,11 @@ def to_cpu_int4_layout(codes: torch.Tensor) -> torch.Tensor:
     n, k = codes.shape
     check_cpu_int4_shape(n, k)
     c = codes.to(torch.uint8)
-    full = n - n % CPU_INT4_BLOCK_N
+    bn = cpu_int4_block_n()
+    full = n - n % bn
     parts = []
     if full:
-        blk = c[:full].reshape(full // 64, 2, 32, k)  # row = b*64 + half*32 + j
+        blk = c[:full].reshape(full // bn, 2, bn // 2, k)  # row = b*bn + half*bn/2 + j
         parts.append((blk[:, 0] | (blk[:, 1] << 4)).transpose(1, 2).reshape(-1))  # [b, k, j]
     if n > full:
         tail = c[full:].reshape((n - full) // 2, 2, k)  # row = full + 2j + half
@@ -82,11 +98,12 @@ def from_cpu_int4_layout(packed: torch.Tensor) -> torch.Tensor:
     n, k = packed.shape[0], packed.shape[1] * 2
     check_cpu_int4_shape(n, k)
     flat = packed.reshape(-1)
-    full = n - n % CPU_INT4_BLOCK_N
+    bn = cpu_int4_block_n()
+    full = n - n % bn
     rows = []
     if full:
-        b = flat[: full * k // 2].reshape(full // 64, k, 32).transpose(1, 2)  # [b, j, k]
-        rows.append(torch.stack([b & 0x0F, b >> 4], dim=1).reshape(full, k))  # row b*64 + half*32 + j
+        b = flat[: full * k // 2].reshape(full // bn, k, bn // 2).transpose(1, 2)  # [b, j, k]
+        rows.append(torch.stack([b & 0x0F, b >> 4], dim=1).reshape(full, k))  # row b*bn + half*bn/2 + j
     if n > full:
         t = flat[full * k // 2:].reshape(k, (n - full) // 2).t()  # [j, k]
         rows.append(torch.stack([t & 0x0F, t >> 4], dim=1).reshape(n - full, k))  # row 2j + half
@@ -99,14 +116,16 @@ def cpu_int4_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     (an embedding lookup from a quantized LM head reads T rows of a 262144-row table)."""
     n, k = packed.shape[0], packed.shape[1] * 2
     flat = packed.reshape(-1)
-    full = n - n % CPU_INT4_BLOCK_N
+    bn = cpu_int4_block_n()
+    hb = bn // 2
+    full = n - n % bn
     r = rows.to(torch.int64)
     in_tail = r >= full
     rt = r - full
-    # A 64-row block is [k, 32] bytes: byte j of column k holds rows j and j + 32 of the block.
-    base = torch.where(in_tail, full * k // 2 + rt // 2, (r // 64) * 32 * k + r % 32)
-    stride = torch.where(in_tail, torch.full_like(r, max((n - full) // 2, 1)), torch.full_like(r, 32))
-    shift = torch.where(in_tail, rt % 2, (r % 64) // 32) * 4
+    # A bn-row block is [k, bn/2] bytes: byte j of column k holds rows j and j + bn/2 of the block.
+    base = torch.where(in_tail, full * k // 2 + rt // 2, (r // bn) * hb * k + r % hb)
+    stride = torch.where(in_tail, torch.full_like(r, max((n - full) // 2, 1)), torch.full_like(r, hb))
+    shift = torch.where(in_tail, rt % 2, (r % bn) // hb) * 4
     idx = base[:, None] + torch.arange(k, dtype=torch.int64)[None, :] * stride[:, None]  # [T, K]
     return ((flat[idx].to(torch.int32) >> shift[:, None].to(torch.int32)) & 0x0F)
 

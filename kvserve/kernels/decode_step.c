@@ -1,0 +1,110 @@
+/* The layer stack of a batch-1 decode step in one call (Gemma 3's decoder layer).
+ *
+ * Why: at one token per step each layer is ~10 kernel calls and ~25 small torch ops whose Python
+ * and dispatch overhead (~0.6-0.8 ms a layer on this project's 2-core machines) cost as much as
+ * the weights' stream. Here the same kernels run back to back from C: the other kernel libraries'
+ * functions are passed in as pointers (kvserve/model/decode_plan.py takes them from their ctypes
+ * handles), so every number is what the Python path computes, bit for bit.
+ *
+ * Per layer, h [hidden] fp32 in place:
+ *   x = rms_norm(h) * g_in;  qkv = x W_qkv^T;  q, k normed + RoPE, k and v written to the pool
+ *   a = attention(q) W_o^T;  h = h + rms_norm(a) * g_post_attn;  x = rms_norm(h) * g_pre_ff
+ *   gu = x W_gu^T;  m = (gelu_tanh(gate) * up) W_down^T;  h = h + rms_norm(m) * g_post_ff
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+typedef void (*panel_gemm_fn)(const float *, const float *, float *, int, int, int, int);
+typedef void (*int8_gemv_fn)(const float *, const int8_t *, const float *, float *, int, int, int, int);
+typedef int (*int4_gemv_fn)(const float *, const uint8_t *, const void *, int, float *, int, int, int, int, int, int);
+typedef void (*rms_norm_fn)(const float *, const float *, float *, int, int, float, int);
+typedef void (*add_rms_norm_fn)(const float *, const float *, const float *, float *, const float *, float *, int,
+                                int, float, int);
+typedef void (*norm_rope_write_fn)(const float *, int64_t, const float *, int64_t, const float *, int64_t, int, int,
+                                   int, int, const float *, const float *, float, const float *, const float *,
+                                   const int64_t *, float *, float *, float *, int);
+typedef int (*paged_decode_fn)(const void *, const void *, const void *, const int32_t *, const int32_t *,
+                               const int32_t *, void *, int, int, int, int, int, int, int, float, int, int);
+typedef void (*gelu_mul_fn)(const float *, const float *, float *, int, int, int64_t, int);
+
+enum { LIN_PANELS = 0, LIN_INT8 = 1, LIN_INT4 = 2 };
+
+typedef struct {
+    int kind, n, k;
+    const void *w;     /* packed panels [ceil(n / PW), k, PW] / int8 [n, k] / int4 tiles [n, k / 2] */
+    const void *scale; /* int8: fp32 [n]; int4: (s, z) table [k / group, n, 2]; panels: unused */
+    int sz_bf16, group, block_n;
+} Lin;
+
+typedef struct { /* what a step's layers of one (KV group, window, rope table) share */
+    const float *cos, *sin;  /* [D] */
+    const int64_t *slot;     /* [1]: where this token's K/V go */
+    const int32_t *table;    /* [max_blocks] */
+    const int32_t *start, *len; /* [1]: attend positions [start, len) */
+    int max_blocks;
+} Ctx;
+
+typedef struct {
+    Lin qkv, o, gate_up, down;
+    const float *g_in, *g_post_attn, *g_pre_ff, *g_post_ff, *g_q, *g_k; /* g_q / g_k NULL: no q/k norm */
+    float *k_pool, *v_pool;
+    int ctx;
+} Layer;
+
+typedef struct {
+    panel_gemm_fn panel_gemm;
+    int8_gemv_fn int8_gemv;
+    int4_gemv_fn int4_gemv;
+    rms_norm_fn rms_norm;
+    add_rms_norm_fn add_rms_norm;
+    norm_rope_write_fn norm_rope_write;
+    paged_decode_fn paged_decode;
+    gelu_mul_fn gelu_mul;
+    int H, KVH, D, hidden, inter, block_size, threads;
+    float eps, qk_eps, scale;
+} Step;
+
+static int linear(const Step *s, const Lin *l, const float *x, float *y) {
+    switch (l->kind) {
+    case LIN_PANELS: s->panel_gemm(x, (const float *)l->w, y, 1, l->n, l->k, s->threads); return 0;
+    case LIN_INT8: s->int8_gemv(x, (const int8_t *)l->w, (const float *)l->scale, y, 1, l->n, l->k, s->threads); return 0;
+    case LIN_INT4:
+        return s->int4_gemv(x, (const uint8_t *)l->w, l->scale, l->sz_bf16, y, 1, l->n, l->k, l->group, l->block_n,
+                            s->threads);
+    default: return -1;
+    }
+}
+
+/* Runs layers [0, L) on h [hidden] in place; returns 0, or -1 (h then undefined: the caller
+ * recomputes the step on the Python path) when a kernel fails or memory runs out. */
+int decode_layers(const Step *s, const Layer *layers, const Ctx *ctxs, int L, float *h) {
+    const int H = s->H, KVH = s->KVH, D = s->D, hid = s->hidden, inter = s->inter;
+    const int qkv_n = (H + 2 * KVH) * D;
+    float *buf = malloc(sizeof(float) * ((size_t)3 * hid + qkv_n + 2 * (size_t)H * D + 3 * (size_t)inter));
+    if (!buf) return -1;
+    float *x = buf, *h2 = x + hid, *o = h2 + hid, *qkv = o + hid, *q = qkv + qkv_n, *att = q + H * D,
+          *gu = att + H * D, *act = gu + 2 * inter;
+    int rc = 0;
+    for (int i = 0; i < L && rc == 0; i++) {
+        const Layer *ly = layers + i;
+        const Ctx *c = ctxs + ly->ctx;
+        s->rms_norm(h, ly->g_in, x, 1, hid, s->eps, s->threads);
+        rc |= linear(s, &ly->qkv, x, qkv);
+        s->norm_rope_write(qkv, H * D, qkv + H * D, KVH * D, qkv + (H + KVH) * D, KVH * D, 1, H, KVH, D, ly->g_q,
+                           ly->g_k, s->qk_eps, c->cos, c->sin, c->slot, ly->k_pool, ly->v_pool, q, s->threads);
+        /* the kernel's own split rule (kvserve.kernels.paged_decode_attention, max_len = len) */
+        int splits = (4 * s->threads + KVH - 1) / KVH, by_len = (c->len[0] + 63) / 64;
+        splits = splits < by_len ? splits : by_len;
+        splits = splits < 1 ? 1 : splits;
+        rc |= s->paged_decode(q, ly->k_pool, ly->v_pool, c->table, c->start, c->len, att, 1, H, KVH, D, s->block_size,
+                              c->max_blocks, splits, s->scale, s->threads, 0);
+        rc |= linear(s, &ly->o, att, o);
+        s->add_rms_norm(o, ly->g_post_attn, h, h2, ly->g_pre_ff, x, 1, hid, s->eps, s->threads);
+        rc |= linear(s, &ly->gate_up, x, gu);
+        s->gelu_mul(gu, gu + inter, act, 1, inter, 2 * inter, s->threads);
+        rc |= linear(s, &ly->down, act, o);
+        s->add_rms_norm(o, ly->g_post_ff, h2, h, NULL, NULL, 1, hid, s->eps, s->threads);
+    }
+    free(buf);
+    return rc ? -1 : 0;
+}

@@ -1,0 +1,96 @@
+"""The batch-1 decode step's layers in one C call (kvserve/model/decode_plan.py,
+kvserve/kernels/decode_step.c) compute bitwise what the Python path computes: same tokens and
+same log-probabilities, on fp32 panels and on the int8 / int4 kernels, with sliding-window
+layers, and after the weights change under it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams, kernels
+from kvserve.model.decode_plan import DecodePlan, plan_for
+
+pytestmark = pytest.mark.skipif(kernels.kernel_lib("decode_step") is None, reason="no C compiler")
+
+PARAMS = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=3)
+
+
+class _Spy:
+    """Counts the steps the plan ran; `off` sends every step down the Python path."""
+
+    def __init__(self, monkeypatch):
+        self.runs, self.off = 0, False
+        run, applies = DecodePlan.run, DecodePlan.applies
+
+        def counted(plan, *a, **k):
+            self.runs += 1
+            return run(plan, *a, **k)
+
+        monkeypatch.setattr(DecodePlan, "run", counted)
+        monkeypatch.setattr(DecodePlan, "applies", staticmethod(lambda h, meta: not self.off and applies(h, meta)))
+
+
+def _generate(llm: LLM, prompt) -> tuple[list[int], list[float]]:
+    out = llm.generate(prompt, PARAMS)[0].outputs[0]
+    return out.token_ids, out.logprobs
+
+
+@pytest.mark.parametrize("weights", ["float", "int8", "int4"])
+def test_plan_equals_the_python_path_on_gemma(gemma, monkeypatch, weights):
+    spy = _Spy(monkeypatch)
+    llm = LLM(loaded=gemma, weights=weights, kv_cache_gib=0.25, max_num_seqs=1, enable_prefix_caching=False)
+    prompt = "The history of the printing press begins"
+    got = _generate(llm, prompt)
+    assert spy.runs == PARAMS.max_tokens - 1  # every decode step (the first token comes from the prefill)
+    spy.off = True
+    assert _generate(llm, prompt) == got  # tokens and log-probabilities, bitwise
+    assert spy.runs == PARAMS.max_tokens - 1
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3(tmp_path_factory):
+    from kvserve.loading import load_model
+    from tests.tiny_models import make_model
+
+    folder = tmp_path_factory.mktemp("tiny-gemma3-plan")
+    make_model("gemma3", folder)  # 6 layers (2 full, 4 sliding), window 8, 2 KV heads
+    return load_model(folder)
+
+
+@pytest.mark.parametrize("release", [True, False])
+def test_plan_follows_sliding_windows_and_rebuilds_after_changes(tiny_gemma3, monkeypatch, release):
+    spy = _Spy(monkeypatch)
+    llm = LLM(loaded=tiny_gemma3, kv_cache_gib=0.01, block_size=4, max_num_seqs=1, enable_prefix_caching=False,
+              sliding_window_release=release)
+    prompt = [2] + [(7 * j) % 300 + 3 for j in range(30)]  # past the window of 8: windows slide every step
+    got = _generate(llm, prompt)
+    assert spy.runs == PARAMS.max_tokens - 1
+    spy.off = True
+    assert _generate(llm, prompt) == got
+
+    model = llm.engine.loaded.model
+    plan = plan_for(model, llm.engine.runner.kv_cache)
+    assert plan is not None and plan.current()
+    with torch.no_grad():
+        model.layers[3].pre_feedforward_layernorm.weight.add_(0.5)  # in place: the packed gains go stale
+        model.layers[1].mlp.down_proj.weight.mul_(-1.0)  # and a packed projection
+    assert not plan.current()
+    spy.off = False
+    changed = _generate(llm, prompt)
+    assert plan_for(model, llm.engine.runner.kv_cache) is not plan  # rebuilt
+    spy.off = True
+    assert _generate(llm, prompt) == changed != got
+
+
+def test_models_the_loop_does_not_run_take_the_python_path(tiny_gemma3, tmp_path):
+    from kvserve.loading import load_model
+    from tests.tiny_models import make_model
+
+    make_model("llama", tmp_path / "llama")
+    llama = LLM(loaded=load_model(tmp_path / "llama"), kv_cache_gib=0.01, max_num_seqs=1)
+    assert plan_for(llama.engine.loaded.model, llama.engine.runner.kv_cache) is None
+    int8_pool = LLM(loaded=tiny_gemma3, kv_cache_gib=0.01, kv_cache_dtype="int8", max_num_seqs=1)
+    assert plan_for(int8_pool.engine.loaded.model, int8_pool.engine.runner.kv_cache) is None
+    # A model nobody packed: its projections are plain nn.Linear.
+    unpacked = LLM(loaded=load_model(tiny_gemma3.source), kv_cache_gib=0.01, max_num_seqs=1, pack_weights=False)
+    assert plan_for(unpacked.engine.loaded.model, unpacked.engine.runner.kv_cache) is None
