@@ -14,6 +14,7 @@
     python benchmarks/decode_step_ab.py lowbit-rows  # int8 / int4 matmuls of 1..512 rows: PyTorch's kernels,
                                                      # kvserve's C kernels, dequantize + fp32 matmul
     python benchmarks/decode_step_ab.py decode-plan  # batch-1 decode: the layers from Python vs one C call
+    python benchmarks/decode_step_ab.py prefill-panels  # 512-token fp32 prefill: MKL vs the panel kernel
 
 GEMM timings are medians of repeated calls; the decode ones alternate A and B over --rounds
 requests of the bundled Gemma 3 270M (a 200-token prompt, 96 new tokens) and compare tokens.
@@ -344,6 +345,36 @@ def decode_plan(args) -> dict:
     return out
 
 
+def prefill_panels(args) -> dict:
+    """Fresh 512-token prompts through one fp32 engine, alternating the prefill's matmuls between
+    MKL (MAX_PANEL_ROWS 128, the earlier limit) and the packed-panel kernel (every chunk)."""
+    from kvserve import LLM, SamplingParams
+    from kvserve.bench.throughput import make_workload
+    from kvserve.loading import load_model
+    from kvserve.model import panels as panel_module
+
+    loaded = load_model(None)
+    llm = LLM(loaded=loaded, enable_prefix_caching=False, max_num_seqs=1, max_model_len=600)
+    prompts = make_workload(2 * args.rounds + 1, (512, 512), (1, 1), loaded.config.vocab_size,
+                            loaded.config.bos_token_id, 0).prompts
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    limit = panel_module.MAX_PANEL_ROWS
+    llm.generate(prompts[0], params)
+    tok_s: dict[str, list[float]] = {"MKL": [], "panels": []}
+    try:
+        for i, ids in enumerate(prompts[1:]):
+            name = "MKL" if i % 2 == 0 else "panels"
+            panel_module.MAX_PANEL_ROWS = 128 if name == "MKL" else limit
+            t = time.perf_counter()
+            llm.generate(ids, params)
+            tok_s[name].append(512 / (time.perf_counter() - t))
+    finally:
+        panel_module.MAX_PANEL_ROWS = limit
+    out = {k: {"runs": v, "median_tok_s": statistics.median(v)} for k, v in tok_s.items()}
+    print("512-token prefill tok/s:", {k: round(v["median_tok_s"], 1) for k, v in out.items()})
+    return out
+
+
 def argmax(args) -> dict:
     from kvserve import kernels
 
@@ -361,7 +392,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["head-rows", "fusion", "norm", "int8-gemv", "fused-decode", "panels",
                                      "packed-decode", "argmax", "fused-step", "int4-rows", "lowbit-rows",
-                                     "decode-plan"])
+                                     "decode-plan", "prefill-panels"])
     ap.add_argument("--reps", type=int, default=7, help="calls per GEMM timing (median)")
     ap.add_argument("--rounds", type=int, default=4, help="alternating requests per decode variant")
     ap.add_argument("--threads", type=int, default=2)
@@ -372,7 +403,7 @@ def main() -> None:
     run = {"head-rows": head_rows, "fusion": fusion, "norm": norm, "int8-gemv": int8_gemv,
            "fused-decode": fused, "panels": panels, "packed-decode": packed_decode, "argmax": argmax,
            "fused-step": fused_step, "int4-rows": int4_rows, "lowbit-rows": lowbit_rows,
-           "decode-plan": decode_plan}[args.what]
+           "decode-plan": decode_plan, "prefill-panels": prefill_panels}[args.what]
     data = run(args)
     print(machine())
     save_json(f"decode_step_{args.what.replace('-', '_')}", {"results": data}, args.json_dir)
