@@ -30,7 +30,7 @@ def _add_weights_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default="float", choices=["float", "fp32", "int8", "int4"],
                    help="float: as loaded, in --dtype (fp32: the same, for --dtype float32); int8 / int4: RTN-quantize "
                         "every linear, the LM head and the embedding at start (int8 per channel, int4 groups of 128) "
-                        "onto PyTorch's CPU int8 / int4 kernels")
+                        "onto kvserve's C int8 / int4 kernels on CPU (PyTorch's without a C compiler)")
     p.add_argument("--no-pack-weights", dest="pack_weights", action="store_false",
                    help="CPU fp32: do not keep the packed copy of the weights for decode steps (saves one copy of "
                         "the fp32 weights in memory; decode steps of several sequences get slower)")

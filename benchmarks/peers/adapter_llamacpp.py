@@ -6,8 +6,16 @@ Batch-1: `Llama.reset()` + `Llama.eval(prompt)` (one batch of n_batch=512 tokens
 `eval([token])` per new token; the KV cache is emptied before every request, so nothing is reused.
 Offline: llama-cpp-python's high-level API serves one sequence at a time, so this adapter drives a
 second llama.cpp context with `n_seq_max = parallel` through the low-level API (llama_batch with
-one sequence id per request, as llama.cpp's `batched`/server --parallel do): every step decodes
-one token of every running sequence plus the prompts of newly admitted ones in one llama_decode.
+one sequence id per request, as llama.cpp's `batched`/server --parallel do). Each throughput
+setting is one way to run that context, and the driver keeps the best:
+- "unified KV": one KV buffer for all sequences (`kv_unified`, llama.cpp's default); every step
+  decodes one token of every running sequence plus the prompts of newly admitted ones in one
+  llama_decode (llama.cpp then splits the batch into ubatches freely).
+- "per-sequence KV": one KV stream per sequence (`kv_unified = false`: attention reads only the
+  sequence's own cells). llama.cpp then splits a batch into ubatches holding the same number of
+  tokens of every sequence, so a prompt mixed with one-token decodes would go a token at a time:
+  each admitted prompt gets a llama_decode of its own, and the decode tokens one together.
+- flash attention on or off (`flash_attn_type`).
 With parallel=1 it is the plain one-request-at-a-time loop.
 """
 from __future__ import annotations
@@ -31,7 +39,21 @@ class LlamaCppEngine:
         opts = spec.get("llamacpp", {})
         self.threads = threads(spec)
         self.n_batch = int(opts.get("n_batch", 512))
-        self.parallel = int(opts.get("parallel", 16))
+        parallel = opts.get("parallel", 16)
+        self.parallel_list = [int(x) for x in (parallel if isinstance(parallel, list) else [parallel])]
+        self.kv_modes = list(opts.get("kv", ["unified", "per-sequence"]))
+        self.flash = [bool(x) for x in opts.get("flash_attn_batched", [False, True])]
+        if bad := [m for m in self.kv_modes if m not in KV_MODES]:
+            raise ValueError(f"llamacpp.kv: unknown mode(s) {bad}; expected {list(KV_MODES)}")
+        self._settings: dict[str, tuple[int, str, bool]] = {}
+        for p in self.parallel_list:
+            if p <= 1:
+                self._settings["batch 1 (sequential)"] = (1, "unified", False)
+                continue
+            for kv in self.kv_modes:
+                for fa in self.flash:
+                    label = f"{p} parallel sequences, {kv} KV, flash-attn {'on' if fa else 'off'}"
+                    self._settings[label] = (p, kv, fa)
         self.llm = llama_cpp.Llama(model_path=spec["model_path"], n_ctx=spec["max_model_len"], n_batch=self.n_batch,
                                    n_ubatch=self.n_batch, n_threads=self.threads, n_threads_batch=self.threads,
                                    flash_attn=bool(opts.get("flash_attn", False)), seed=0, verbose=False)
@@ -40,6 +62,12 @@ class LlamaCppEngine:
         self.dtype = _file_type(self.llm)
         self.notes: list[str] = [f"llama-cpp-python {llama_cpp.__version__}, n_threads={self.threads}, "
                                  f"flash_attn={bool(opts.get('flash_attn', False))}"]
+
+    def _picks(self, ctx, rows: list[tuple[int, int]], running: dict[int, dict]) -> list[int]:
+        """Greedy next token of each (row, slot) just decoded, stored as the slot's `last`; the slots."""
+        for row, slot in rows:
+            running[slot]["last"] = self._argmax(ctx.ctx, row)
+        return [slot for _, slot in rows]
 
     def _argmax(self, ctx, i: int) -> int:
         """Greedy pick from the logits of batch row i (-1: the last row with logits)."""
@@ -63,56 +91,66 @@ class LlamaCppEngine:
         return Timed(tokens, times[0] - start, times[-1] - times[0])
 
     def throughput_settings(self) -> list[str]:
-        return [f"{self.parallel} parallel sequences (llama_batch)" if self.parallel > 1 else "batch 1 (sequential)"]
+        return list(self._settings)
 
     def throughput(self, prompts: list[list[int]], output_lens: list[int], setting: str) -> ThroughputRun:
-        if self.parallel <= 1:
+        parallel, kv, flash = self._settings[setting]
+        if parallel <= 1:
             t = time.perf_counter()
             produced = sum(len(self.generate_timed(p, n).tokens) for p, n in zip(prompts, output_lens))
             return ThroughputRun(setting, time.perf_counter() - t, produced)
-        return self._throughput_batched(prompts, output_lens, setting)
+        return self._throughput_batched(prompts, output_lens, setting, parallel, kv, flash)
 
-    def _throughput_batched(self, prompts: list[list[int]], output_lens: list[int], setting: str) -> ThroughputRun:
+    def _throughput_batched(self, prompts: list[list[int]], output_lens: list[int], setting: str,
+                            parallel: int, kv: str, flash: bool) -> ThroughputRun:
         """Continuous batching over `parallel` sequence slots in one llama.cpp context."""
         import llama_cpp
         from llama_cpp._internals import LlamaBatch, LlamaContext
 
         per_seq = -(-(max(len(p) + n for p, n in zip(prompts, output_lens)) + 8) // 256) * 256  # llama.cpp pads to 256
+        cap = self.n_batch + parallel  # admitted prompts + one token per running sequence
         params = type(self.llm.context_params).from_buffer_copy(self.llm.context_params)
-        params.n_seq_max = self.parallel
-        params.n_ctx = self.parallel * per_seq  # split evenly: each sequence gets n_ctx / n_seq_max
-        params.kv_unified = False  # no shared prefixes: separate per-sequence buffers
-        params.n_batch = self.n_batch + self.parallel  # admitted prompts + one token per running sequence
+        params.n_seq_max = parallel
+        params.n_ctx = parallel * per_seq  # split evenly: each sequence gets n_ctx / n_seq_max
+        params.kv_unified = kv == "unified"
+        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        params.n_batch = cap
         ctx = LlamaContext(model=self.llm._model, params=params, verbose=False)
-        batch = LlamaBatch(n_tokens=self.n_batch + self.parallel, embd=0, n_seq_max=1, verbose=False)
+        batch = LlamaBatch(n_tokens=cap, embd=0, n_seq_max=1, verbose=False)
         mem = llama_cpp.llama_get_memory(ctx.ctx)
         b = batch.batch
         queue = deque(range(len(prompts)))
-        free = list(range(self.parallel))
+        free = list(range(parallel))
         running: dict[int, dict] = {}  # slot -> {req, pos, last, produced}
         produced = 0
         first: list[int] = []  # request 0's tokens: checked once against the batch-1 path
         t = time.perf_counter()
         try:
             while queue or running:
+                rows: list[tuple[int, int]] = []  # (batch row with logits, slot) of the last llama_decode
+                decoded: list[tuple[int, int]] = []  # every slot that got its next token this step
                 b.n_tokens = 0
-                rows: list[tuple[int, int]] = []  # (batch row with logits, slot)
                 for slot, st in running.items():  # one decode token per running sequence
                     rows.append((_add(b, st["last"], st["pos"], slot, True), slot))
                     st["pos"] += 1
-                while queue and free and b.n_tokens + len(prompts[queue[0]]) <= self.n_batch + self.parallel:
+                while queue and free and b.n_tokens + len(prompts[queue[0]]) <= cap:
+                    if kv != "unified" and b.n_tokens:  # per-sequence KV: each prompt in a call of its own
+                        ctx.decode(batch)
+                        decoded += self._picks(ctx, rows, running)
+                        rows, b.n_tokens = [], 0
                     req, slot = queue.popleft(), free.pop()
                     p = prompts[req]
                     for j, tok in enumerate(p):
                         row = _add(b, tok, j, slot, j == len(p) - 1)
                     rows.append((row, slot))
                     running[slot] = {"req": req, "pos": len(p), "last": -1, "produced": 0}
-                if not rows:
+                if not rows and not decoded:
                     raise ValueError(f"prompt of {len(prompts[queue[0]])} tokens exceeds n_batch={self.n_batch}")
-                ctx.decode(batch)
-                for row, slot in rows:
+                if rows:
+                    ctx.decode(batch)
+                    decoded += self._picks(ctx, rows, running)
+                for slot in decoded:
                     st = running[slot]
-                    st["last"] = self._argmax(ctx.ctx, row)
                     st["produced"] += 1
                     if st["req"] == 0:
                         first.append(st["last"])
@@ -131,6 +169,9 @@ class LlamaCppEngine:
             same = next((i for i, (a, b_) in enumerate(zip(first, alone)) if a != b_), min(len(first), len(alone)))
             self.notes.append(f"batched request 0 vs batch-1 greedy: first {same} of {len(alone)} tokens equal")
         return run
+
+
+KV_MODES = ("unified", "per-sequence")
 
 
 def _add(b, token: int, pos: int, seq: int, logits: bool) -> int:

@@ -89,8 +89,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
     p.add_argument("--hf-batch-sizes", default="8,16,32", help="HF static batch sizes swept for throughput")
     p.add_argument("--kvserve-max-num-seqs", default="64", help="kvserve --max-num-seqs for throughput (comma list: sweep)")
-    p.add_argument("--llamacpp-parallel", type=int, default=16,
-                   help="llama.cpp sequences decoded together in one batch for throughput (1 = one request at a time)")
+    p.add_argument("--llamacpp-parallel", default="16,32",
+                   help="llama.cpp sequences decoded together for throughput, comma list swept (1 = one request "
+                        "at a time)")
+    p.add_argument("--llamacpp-kv", default="unified,per-sequence",
+                   help="llama.cpp KV layouts swept for throughput: unified (one buffer, mixed batches) and/or "
+                        "per-sequence (kv_unified off, prompts decoded apart)")
+    p.add_argument("--llamacpp-flash-attn", default="off,on", help="llama.cpp flash attention swept for throughput")
     p.add_argument("--metrics", default="decode,prefill,throughput")
     p.add_argument("--check-tokens", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
@@ -104,7 +109,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.decode_new_tokens, args.prefill_len, args.num_prompts = 16, 64, 4  # 16: the full token check
         args.input_len, args.output_len = [16, 64], [8, 16]
-        args.hf_batch_sizes, args.kvserve_max_num_seqs, args.llamacpp_parallel = "2,4", "4", 4
+        args.hf_batch_sizes, args.kvserve_max_num_seqs, args.llamacpp_parallel = "2,4", "4", "4"
     return args
 
 
@@ -145,7 +150,8 @@ def build_spec(args: argparse.Namespace) -> dict:
         "throughput_output_lens": wl.output_lens,
         **_kvserve_sections({"dtype": "float32", "max_num_seqs": _ints(args.kvserve_max_num_seqs)}),
         "hf": {"dtype": "float32", "batch_sizes": _ints(args.hf_batch_sizes)},
-        "llamacpp": {"parallel": args.llamacpp_parallel},
+        "llamacpp": {"parallel": _ints(args.llamacpp_parallel), "kv": _names(args.llamacpp_kv, ("unified", "per-sequence")),
+                     "flash_attn_batched": [x == "on" for x in _names(args.llamacpp_flash_attn, ("off", "on"))]},
         "vllm": {"dtype": "float32", "hf_dir": str(HERE / ".cache" / (model_path.stem + "-hf-fp32"))},
     }
 
@@ -157,6 +163,14 @@ def _kvserve_sections(opts: dict) -> dict[str, dict]:
 
 def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x]
+
+
+def _names(s: str, allowed: tuple[str, ...]) -> list[str]:
+    """A comma list of names from `allowed` (SystemExit naming the bad one otherwise)."""
+    names = [x.strip() for x in s.split(",") if x.strip()]
+    if not names or any(x not in allowed for x in names):
+        raise SystemExit(f"expected a comma list of {', '.join(allowed)}; got {s!r}")
+    return names
 
 
 def engine_env(name: str, threads: int) -> dict[str, str]:

@@ -119,7 +119,7 @@ class LLMEngine:
 
     def _low_bit_weights(self, loaded: LoadedModel, owned: bool) -> LoadedModel:
         """EngineConfig.weights int8 / int4: RTN-quantize every linear layer, the LM head and the
-        embedding, onto PyTorch's CPU int8 / int4 kernels (kvserve/quant/linear.py; a copy when
+        embedding, onto the int8 / int4 kernels of kvserve/quant/linear.py (a copy when
         the caller owns the model); q/k/v and gate/up fused (kvserve/quant/fuse.py)."""
         kind = self.config.weights
         if kind == "float":
