@@ -27,7 +27,7 @@ from collections import deque
 
 import numpy as np
 
-from _common import ThroughputRun, Timed, main, threads
+from _common import LLAMACPP_KV_MODES, ThroughputRun, Timed, main, threads
 
 
 class LlamaCppEngine:
@@ -43,8 +43,8 @@ class LlamaCppEngine:
         self.parallel_list = [int(x) for x in (parallel if isinstance(parallel, list) else [parallel])]
         self.kv_modes = list(opts.get("kv", ["unified", "per-sequence"]))
         self.flash = [bool(x) for x in opts.get("flash_attn_batched", [False, True])]
-        if bad := [m for m in self.kv_modes if m not in KV_MODES]:
-            raise ValueError(f"llamacpp.kv: unknown mode(s) {bad}; expected {list(KV_MODES)}")
+        if bad := [m for m in self.kv_modes if m not in LLAMACPP_KV_MODES]:
+            raise ValueError(f"llamacpp.kv: unknown mode(s) {bad}; expected {list(LLAMACPP_KV_MODES)}")
         self._settings: dict[str, tuple[int, str, bool]] = {}
         for p in self.parallel_list:
             if p <= 1:
@@ -169,9 +169,6 @@ class LlamaCppEngine:
             same = next((i for i, (a, b_) in enumerate(zip(first, alone)) if a != b_), min(len(first), len(alone)))
             self.notes.append(f"batched request 0 vs batch-1 greedy: first {same} of {len(alone)} tokens equal")
         return run
-
-
-KV_MODES = ("unified", "per-sequence")
 
 
 def _add(b, token: int, pos: int, seq: int, logits: bool) -> int:

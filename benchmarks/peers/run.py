@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from _common import RESULT_PREFIX
+from _common import LLAMACPP_KV_MODES, RESULT_PREFIX
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -106,6 +106,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.repeats < 1 or args.threads < 1:
         p.error("--repeats and --threads must be >= 1")
+    if not all(x.strip().isdigit() and int(x) >= 1 for x in args.llamacpp_parallel.split(",")):
+        p.error(f"--llamacpp-parallel: expected a comma list of integers >= 1, got {args.llamacpp_parallel!r}")
+    for flag, value, allowed in (("--llamacpp-kv", args.llamacpp_kv, LLAMACPP_KV_MODES),
+                                 ("--llamacpp-flash-attn", args.llamacpp_flash_attn, ("off", "on"))):
+        if not all(x.strip() in allowed for x in value.split(",")):
+            p.error(f"{flag}: expected a comma list of {', '.join(allowed)}, got {value!r}")
     if args.quick:
         args.decode_new_tokens, args.prefill_len, args.num_prompts = 16, 64, 4  # 16: the full token check
         args.input_len, args.output_len = [16, 64], [8, 16]
@@ -150,8 +156,8 @@ def build_spec(args: argparse.Namespace) -> dict:
         "throughput_output_lens": wl.output_lens,
         **_kvserve_sections({"dtype": "float32", "max_num_seqs": _ints(args.kvserve_max_num_seqs)}),
         "hf": {"dtype": "float32", "batch_sizes": _ints(args.hf_batch_sizes)},
-        "llamacpp": {"parallel": _ints(args.llamacpp_parallel), "kv": _names(args.llamacpp_kv, ("unified", "per-sequence")),
-                     "flash_attn_batched": [x == "on" for x in _names(args.llamacpp_flash_attn, ("off", "on"))]},
+        "llamacpp": {"parallel": _ints(args.llamacpp_parallel), "kv": _names(args.llamacpp_kv),
+                     "flash_attn_batched": [x == "on" for x in _names(args.llamacpp_flash_attn)]},
         "vllm": {"dtype": "float32", "hf_dir": str(HERE / ".cache" / (model_path.stem + "-hf-fp32"))},
     }
 
@@ -165,12 +171,8 @@ def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x]
 
 
-def _names(s: str, allowed: tuple[str, ...]) -> list[str]:
-    """A comma list of names from `allowed` (SystemExit naming the bad one otherwise)."""
-    names = [x.strip() for x in s.split(",") if x.strip()]
-    if not names or any(x not in allowed for x in names):
-        raise SystemExit(f"expected a comma list of {', '.join(allowed)}; got {s!r}")
-    return names
+def _names(s: str) -> list[str]:
+    return [x.strip() for x in s.split(",")]
 
 
 def engine_env(name: str, threads: int) -> dict[str, str]:
