@@ -30,6 +30,17 @@ def test_bytes_per_token_counts_weights_once_and_windowed_kv(tiny_gemma):
     # context 100: 4 sliding layers read 8 positions, 2 full layers read 100.
     expected_kv = per_layer_token * (4 * 8 + 2 * 100)
     assert decode_bytes_per_token(loaded, 100) == sum(params.values()) + expected_kv
+    # Packed for the engine: greedy steps read the head's int8 screen instead of the fp32 head.
+    from kvserve.model.panels import use_panel_kernels
+
+    use_panel_kernels(loaded.model)
+    screen = loaded.model.greedy_head
+    if screen is not None:
+        head = cfg.vocab_size * cfg.hidden_size * 4
+        assert screen.nbytes == (-(-cfg.vocab_size // 16) * 16 * (cfg.hidden_size + cfg.hidden_size % 2)
+                                 + 3 * 8 * cfg.vocab_size)
+        assert decode_bytes_per_token(loaded, 100) == sum(params.values()) - head + screen.nbytes + expected_kv
+        loaded.model.greedy_head = None
     # A quantized model: its packed codes and scales are buffers, counted as stored.
     from kvserve.quant import quantize_model
 

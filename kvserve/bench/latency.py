@@ -1,8 +1,9 @@
 """`kvserve bench latency`: one request at a time: prefill tok/s and TTFT on a fresh prompt,
 batch-1 decode tok/s, and how close decode runs to the memory-bandwidth bound.
 
-Batch-1 decode reads every weight once per token (the tied LM head included) plus the KV cache
-of the context, so its bound is bandwidth / bytes-per-token. The bandwidth is measured here, on
+Batch-1 decode reads every weight once per token (the tied LM head included; where the engine
+screens greedy tokens through the head's int8 copy, model/greedy_head.py, that copy instead of the
+fp32 head) plus the KV cache of the context, so its bound is bandwidth / bytes-per-token. The bandwidth is measured here, on
 this machine, by a reduction over a 1 GiB tensor (what a GEMV streaming weights can reach).
 Every prompt is new (random token ids, prefix cache off), so prefill is really computed.
 """
@@ -41,14 +42,19 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def decode_bytes_per_token(loaded, context_len: int) -> int:
-    """Bytes one batch-1 decode step must read: all weights, plus K/V of the context (a
-    sliding-window layer reads at most its window)."""
+    """Bytes one batch-1 greedy decode step must read: all weights (the head's int8 screen in
+    place of the fp32 head where the model has one: a step reads one row of a tied embedding),
+    plus K/V of the context (a sliding-window layer reads at most its window)."""
     cfg = loaded.config
     elem = next(loaded.model.parameters()).element_size()
     heads, k_dim, v_dim = cfg.kv_cache_layout  # MLA: one latent of d_c + d_rope, no V
     per_layer = heads * (k_dim + v_dim) * elem
     kv = sum(per_layer * min(context_len, cfg.window(i) or context_len) for i in range(cfg.num_layers))
-    return weight_bytes(loaded.model) + kv
+    weights = weight_bytes(loaded.model)
+    screen = getattr(loaded.model, "greedy_head", None)
+    if screen is not None:
+        weights += screen.nbytes - screen.weight.numel() * screen.weight.element_size()
+    return weights + kv
 
 
 def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:

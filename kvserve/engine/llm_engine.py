@@ -360,7 +360,12 @@ class LLMEngine:
                 samplers.append(seq)
                 rows.append(num_rows)
             num_rows += item.num_logits
-        logits = self.runner.execute(inputs)
+        tokens = None
+        if samplers and not spec and rows == list(range(num_rows)) and self.sampler.greedy_only(
+                [self._sampling_request(s) for s in samplers]):
+            tokens, logits = self.runner.execute_greedy(inputs)  # tokens without the full logits
+        else:
+            logits = self.runner.execute(inputs)
         # Speculative tokens are appended before `update` (which sets num_rejected-aware
         # progress): blocks that become full are hashed from tokens that must already be there.
         self._accept(self._verify(logits, spec, drafts), touched)
@@ -378,7 +383,13 @@ class LLMEngine:
             # next step recomputes the whole sequence (a long prompt still goes in chunks first).
             for seq in samplers:
                 seq.num_computed_tokens = 0
-        if samplers:
+        if samplers and tokens is not None:
+            picked = tokens.tolist()
+            now = self.clock()
+            for row, seq in zip(rows, samplers):  # plain greedy: no logprobs to report
+                self._append(seq, picked[row], None, None, now)
+                touched.add(seq.request_id)
+        elif samplers:
             plain = logits if rows == list(range(logits.shape[0])) else logits[torch.tensor(rows, device=logits.device)]
             out = self.sampler(plain, [self._sampling_request(s) for s in samplers])
             now = self.clock()

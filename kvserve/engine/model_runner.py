@@ -128,13 +128,32 @@ class ModelRunner:
 
         `num_layers`: exit after that many layers (a self-speculative draft); only those layers'
         K/V are written."""
+        hidden = self._forward(inputs, num_layers)
+        if hidden.shape[0] == 0:
+            return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
+        return self.model.compute_logits(hidden, upcast=False)
+
+    @torch.inference_mode()
+    def execute_greedy(self, inputs: Seq[StepInput]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """A forward pass whose logit rows all want only their argmax: (tokens [rows] int64, None)
+        where the model's greedy screen applies (the argmax of the logits `execute` returns,
+        without computing them), else (None, those logits)."""
+        hidden = self._forward(inputs, None)
+        screen = getattr(self.model, "greedy_tokens", None)
+        tokens = screen(hidden) if screen is not None and hidden.shape[0] else None
+        if tokens is not None:
+            return tokens, None
+        if hidden.shape[0] == 0:
+            return None, hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
+        return None, self.model.compute_logits(hidden, upcast=False)
+
+    def _forward(self, inputs: Seq[StepInput], num_layers: int | None) -> torch.Tensor:
+        """The final hidden states [rows needing logits, hidden] of one forward pass."""
         input_ids, positions, meta, logit_rows = self.prepare(inputs)
         if self.stream_policies is not None:  # StreamingLLM owns pool writes and rotation
             meta.custom = PagedStreamingAttention(self.kv_cache, meta, positions, self.stream_policies, self._rotary)
         hidden = self.model(input_ids, positions, self.kv_cache, meta, num_layers=num_layers)
-        if logit_rows.numel() == 0:
-            return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
-        return self.model.compute_logits(hidden.index_select(0, logit_rows), upcast=False)
+        return hidden.index_select(0, logit_rows)
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: Seq[tuple[int, int]], block_size: int) -> None:

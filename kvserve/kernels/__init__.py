@@ -15,6 +15,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -95,6 +96,9 @@ _SIGNATURES: dict[str, dict[str, tuple[list, object]]] = {
     "panel_gemm": {"panel_width": ([], ctypes.c_int),  # fp32 decode-step matmuls on packed weights
                    "pack_panels": ([_P, _P, _I, _I, _I], None),
                    "panel_gemm": ([_P, _P, _P, _I, _I, _I, _I], None)},
+    "greedy_head": {"screen_available": ([], ctypes.c_int),  # exact greedy tokens of an fp32 head
+                    "screen_pack": ([_P, _P, _P, _P, _P, _I, _I, _I], None),
+                    "screen_argmax": ([_P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I], ctypes.c_int)},
 }
 
 
@@ -323,6 +327,60 @@ def panel_matmul(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     y = torch.empty(m, n, dtype=torch.float32)
     lib.panel_gemm(x.data_ptr(), packed.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads())
     return y
+
+
+@dataclass(frozen=True)
+class HeadScreen:
+    """An fp32 head [V, K]'s int8 copy for `screen_argmax` (kvserve/kernels/greedy_head.c):
+    q [ceil(V / 16) * Kp * 16] int8 (Kp = K rounded up to even), and per token its scale and the
+    two error-bound coefficients, [V] float64 each."""
+    q: torch.Tensor
+    scale: torch.Tensor
+    c1: torch.Tensor
+    c2: torch.Tensor
+
+
+def _screen_lib() -> ctypes.CDLL | None:
+    lib = kernel_lib("greedy_head")
+    return lib if lib is not None and lib.screen_available() else None  # 0: built without AVX2 + FMA
+
+
+def pack_head_screen(weight: torch.Tensor) -> HeadScreen | None:
+    """weight [V, K] fp32 (CPU, finite) -> its int8 copy for `screen_argmax`; None when the kernel
+    is unavailable or the weight does not apply."""
+    lib = _screen_lib()
+    if lib is None or weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
+        return None
+    w = weight.detach().contiguous()
+    if not bool(torch.isfinite(w).all()):
+        return None
+    v, k = w.shape
+    kp = k + (k & 1)
+    screen = HeadScreen(q=torch.empty(-(-v // 16) * kp * 16, dtype=torch.int8),
+                        scale=torch.empty(v, dtype=torch.float64), c1=torch.empty(v, dtype=torch.float64),
+                        c2=torch.empty(v, dtype=torch.float64))
+    lib.screen_pack(w.data_ptr(), screen.q.data_ptr(), screen.scale.data_ptr(), screen.c1.data_ptr(),
+                    screen.c2.data_ptr(), v, k, torch.get_num_threads())
+    return screen
+
+
+SCREEN_CAP = 4096  # candidates a row may keep per thread before the caller computes it in full
+
+
+def screen_argmax(x: torch.Tensor, packed: torch.Tensor, n: int, screen: HeadScreen,
+                  cap: int = SCREEN_CAP) -> torch.Tensor:
+    """x [M, K] fp32 (CPU) -> [M] int64: each row's first index of the maximum of
+    panel_matmul(x, packed, n) (packed: the head [n, K] from pack_panels, its screen from
+    pack_head_screen), found through the screen; -1 for a row it did not settle."""
+    lib = _screen_lib()
+    assert lib is not None and screen.scale.shape[0] == n, "pack_head_screen first"
+    x = x.contiguous()
+    m, k = x.shape
+    tokens = torch.empty(m, dtype=torch.int64)
+    lib.screen_argmax(x.data_ptr(), packed.data_ptr(), packed.shape[2], screen.q.data_ptr(), screen.scale.data_ptr(),
+                      screen.c1.data_ptr(), screen.c2.data_ptr(), tokens.data_ptr(), m, n, k, cap,
+                      torch.get_num_threads())
+    return tokens
 
 
 def paged_decode_attention(q, k_pool, v_pool, tables, starts, lens, block_size: int, scale: float,

@@ -13,8 +13,10 @@ from torch import nn
 from kvserve.model.attention import AttentionMetadata, KVCache
 from kvserve.model.config import ModelConfig
 from kvserve.model.decode_plan import DecodePlan, plan_for
+from kvserve.model.greedy_head import GreedyHead
 from kvserve.model.layers import RMSNorm, RotaryEmbedding
-from kvserve.model.panels import Panels
+from kvserve import kernels
+from kvserve.model.panels import PanelLinear, Panels
 
 
 class CausalLM(nn.Module):
@@ -22,6 +24,7 @@ class CausalLM(nn.Module):
     gemma_norm: bool = False  # RMSNorm weights stored as (w - 1), applied as (1 + w)
     scale_embedding: bool = False  # multiply embeddings by sqrt(hidden_size)
     head_panels: Panels | None = None  # a tied head packed for decode steps (model/panels.py)
+    greedy_head: GreedyHead | None = None  # the packed head's int8 screen for greedy rows (model/greedy_head.py)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -86,6 +89,33 @@ class CausalLM(nn.Module):
         if cap:
             return torch.tanh(logits.float() / cap) * cap
         return logits.float() if upcast else logits
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [N, hidden] -> [N] int64, each row's first index of the maximum of
+        compute_logits(hidden) (bitwise the same logits), through the head's int8 screen; None
+        where there is none (no packed fp32 head, logit soft-capping)."""
+        screen = self.greedy_head
+        if screen is None or self.config.final_logit_softcapping or screen.panels is not self._packed_head():
+            return None
+        found = screen.tokens(hidden)
+        if found is None:
+            return None
+        tokens, unsettled = found
+        if unsettled:  # rare: too many near-ties, or a zero row; the full logits of those rows
+            idx = torch.tensor(unsettled)
+            logits = self.compute_logits(hidden.index_select(0, idx), upcast=False)
+            picked = kernels.argmax_rows(logits)
+            tokens[idx] = logits.max(dim=-1).indices if picked is None else picked
+        return tokens
+
+    def _packed_head(self) -> Panels | None:
+        """The packed copy compute_logits multiplies the head with (panel kernel), or None."""
+        head = self.lm_head
+        if head is None:
+            return self.head_panels
+        if type(head) is PanelLinear and head.bias is None:
+            return head.panels
+        return None
 
 
 # MKL's fp32 GEMM takes a slow path for a handful of rows against a tall LM head: measured on a

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve import kernels
+from kvserve.model.greedy_head import GreedyHead
 
 MAX_PANEL_ROWS = 1 << 16  # any prefill chunk (benchmarks/decode_step_ab.py panels, prefill-panels)
 
@@ -109,7 +110,7 @@ def fused_panels(current: Panels | None, *linears: nn.Module) -> Panels | None:
 def use_panel_kernels(model: nn.Module) -> int:
     """Pack every fp32 CPU nn.Linear of `model` (turned into PanelLinear in place: same
     parameters, same state_dict) and a tied LM head (`model.head_panels`, used by
-    `compute_logits`). Returns how many matrices were packed: 0 without the kernel."""
+    `compute_logits`), and gives the packed head its greedy screen (`model.greedy_head`). Returns how many matrices were packed: 0 without the kernel."""
     count = 0
     for m in model.modules():
         if type(m) is PanelLinear:
@@ -131,4 +132,13 @@ def use_panel_kernels(model: nn.Module) -> int:
         if head is None or head.weight is not model.embed_tokens.weight:
             model.head_panels = Panels.pack(model.embed_tokens.weight)
         count += model.head_panels is not None  # (a model packed before keeps its copies)
+    _screen_head(model)
     return count
+
+
+def _screen_head(model: nn.Module) -> None:
+    """Give a model with a packed fp32 head its greedy screen (`model.greedy_head`)."""
+    panels = getattr(model, "_packed_head", lambda: None)()
+    current = getattr(model, "greedy_head", None)
+    if panels is not None and (current is None or current.panels is not panels):
+        model.greedy_head = GreedyHead.pack(panels)

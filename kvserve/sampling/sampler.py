@@ -218,6 +218,12 @@ class Sampler:
     def __init__(self, eos_token_ids: Sequence[int]):
         self.eos_token_ids = list(eos_token_ids)
 
+    @staticmethod
+    def greedy_only(requests: list[SamplingRequest]) -> bool:
+        """Every request takes the argmax of its raw logits and reports no logprobs: the engine
+        may pick the tokens without the logits (CausalLM.greedy_tokens)."""
+        return all(_plain_greedy(r) for r in requests)
+
     def __call__(self, logits: torch.Tensor, requests: list[SamplingRequest]) -> SamplerOutput:
         """logits: [N, V] float (one row per request) -> one token per row."""
         if logits.dim() != 2 or logits.shape[0] != len(requests):

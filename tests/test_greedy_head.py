@@ -1,0 +1,127 @@
+"""Greedy tokens through the int8 screen of the head (kernels/greedy_head.c, model/greedy_head.py):
+bitwise the argmax of the fp32 logits the panel kernel computes (first index among equal maxima),
+on random heads, planted ties, outliers, rows the screen cannot settle, and Gemma's real head."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from kvserve import kernels
+from kvserve.model.greedy_head import GreedyHead
+from kvserve.model.panels import Panels, use_panel_kernels
+
+needs_screen = pytest.mark.skipif(
+    kernels.pack_panels(torch.zeros(1, 1)) is None or kernels.pack_head_screen(torch.zeros(1, 2)) is None,
+    reason="panel / screen kernels unavailable (no compiler, or no AVX2)")
+
+
+def _full_argmax(x: torch.Tensor, panels: Panels) -> torch.Tensor:
+    """The oracle: argmax over every fp32 logit of the packed head (what the sampler picks)."""
+    return kernels.argmax_rows(panels.matmul(x))
+
+
+def _screen(w: torch.Tensor, x: torch.Tensor, cap: int = kernels.SCREEN_CAP) -> tuple[torch.Tensor, Panels]:
+    panels = Panels.pack(w)
+    return kernels.screen_argmax(x, panels.packed, panels.rows, kernels.pack_head_screen(w), cap=cap), panels
+
+
+@needs_screen
+@pytest.mark.parametrize("v, k, m", [(1000, 64, 1), (4099, 33, 7), (517, 640, 13), (20000, 128, 64), (16, 2, 3)])
+def test_screen_equals_the_full_argmax(v, k, m):
+    g = torch.Generator().manual_seed(v + k + m)
+    w = torch.randn(v, k, generator=g) * 0.05
+    x = torch.randn(m, k, generator=g) * 3
+    x[:, 0] *= 40  # an outlier channel, as final hidden states have
+    got, panels = _screen(w, x)
+    assert (got >= 0).all()
+    assert torch.equal(got, _full_argmax(x, panels))
+
+
+@needs_screen
+def test_exact_ties_take_the_first_index_and_near_ties_are_told_apart():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(3000, 96, generator=g) * 0.05
+    x = torch.randn(4, 96, generator=g)
+    for i in range(4):  # rows aligned with a token: a clear winner ...
+        w[100 + i] = x[i] / x[i].norm()
+    w[2900:2904] = w[100:104]  # ... tied bitwise by a later copy (the first index must win)
+    w[1500] = w[101]
+    w[1500, 5] = torch.nextafter(w[1500, 5], torch.tensor(10.0) * w[1500, 5].sign())  # one ulp more
+    got, panels = _screen(w, x)
+    assert torch.equal(got, _full_argmax(x, panels))
+    assert got[0] == 100 and got[2:].tolist() == [102, 103]
+
+
+@needs_screen
+def test_rows_the_screen_cannot_settle_are_left_to_the_caller():
+    w = torch.randn(500, 32) * 0.05
+    w[200:400] = w[7]  # 201 bitwise ties at the top for a row aligned with token 7
+    x = torch.stack([w[7] * 10, torch.zeros(32), torch.full((32,), float("nan")), torch.randn(32)])
+    got, _ = _screen(w, x[:1], cap=8)
+    assert got.tolist() == [-1]  # more than 8 candidates
+    got, panels = _screen(w, x)
+    # With room for the candidates: the first of the ties; a zero row (every logit ties) and a
+    # non-finite row are left to the full logits.
+    assert got.tolist() == [7, -1, -1, _full_argmax(x[3:], panels)[0]]
+
+
+def _tiny(folder, tied: bool):
+    from kvserve.loading import load_model
+    from tests.tiny_models import make_model
+
+    make_model("llama", folder, tie_word_embeddings=tied)
+    model = load_model(folder, "float32", "cpu").model
+    use_panel_kernels(model)
+    return model
+
+
+@needs_screen
+@pytest.mark.parametrize("tied", [True, False])
+def test_model_greedy_tokens_equal_the_argmax_of_compute_logits(tmp_path, tied):
+    model = _tiny(tmp_path / "m", tied)
+    assert isinstance(model.greedy_head, GreedyHead)
+    h = torch.randn(9, model.config.hidden_size) * 2
+    h[4] = 0  # unsettled by the screen: computed in full
+    with torch.inference_mode():
+        want = kernels.argmax_rows(model.compute_logits(h))
+        assert torch.equal(model.greedy_tokens(h), want)
+    head = model.lm_head_weight
+    with torch.no_grad():  # an in-place change (pruning, SmoothQuant): screen and panels rebuilt
+        head.mul_(-1)
+    with torch.inference_mode():
+        want = kernels.argmax_rows(model.compute_logits(h))
+        assert torch.equal(model.greedy_tokens(h), want)
+
+
+@needs_screen
+def test_no_screen_without_a_packed_fp32_head(tmp_path):
+    model = _tiny(tmp_path / "m", True)
+    model.greedy_head = None
+    assert model.greedy_tokens(torch.randn(2, model.config.hidden_size)) is None
+    holder = nn.Sequential(nn.Linear(8, 8))
+    use_panel_kernels(holder)  # not a CausalLM: nothing to screen
+    assert getattr(holder, "greedy_head", None) is None
+
+
+@needs_screen
+def test_gemma_generation_through_the_screen_equals_the_full_logits(gemma_llm, monkeypatch):
+    from kvserve import SamplingParams
+
+    model = gemma_llm.engine.runner.model
+    assert isinstance(model.greedy_head, GreedyHead)
+    calls = []
+    real = kernels.screen_argmax
+    monkeypatch.setattr(kernels, "screen_argmax", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    prompts = ["The capital of France is", "def fibonacci(n):", "Robert Boulter is an English film and television"]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in gemma_llm.generate(prompts, greedy)]
+    assert calls and max(calls) == 3
+    # A sampled request in the batch: the step takes the full logits; the greedy rows agree.
+    sampled = SamplingParams(temperature=0.8, max_tokens=12, seed=1, ignore_eos=True)
+    mixed = gemma_llm.generate(prompts + ["Once upon a time"], [greedy] * 3 + [sampled])
+    assert [o.outputs[0].token_ids for o in mixed[:3]] == got
+    monkeypatch.setattr(model, "greedy_head", None)
+    n = len(calls)
+    assert [o.outputs[0].token_ids for o in gemma_llm.generate(prompts, greedy)] == got
+    assert len(calls) == n
