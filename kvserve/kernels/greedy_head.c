@@ -4,8 +4,8 @@
  * batch-1 decode step's bytes and of a batched step's FLOPs, for a row that only needs its argmax.
  * An int8 copy of the head (per-row scale, 168 MB) against the row quantized to int16 gives every
  * logit to within a bound that is rigorous, not statistical; only the few tokens whose upper bound
- * reaches the best lower bound (of 262,144: a median of 14, at most 320, over 236 WikiText rows) get their fp32 logit,
- * and that logit is the same FMA chain over k = 0 .. K-1 as panel_gemm.c computes, so the token is
+ * reaches the best lower bound (of 262,144: a median of 14, at most 320, over 236 WikiText rows)
+ * get their fp32 logit, the same FMA chain over k = 0 .. K-1 as panel_gemm.c computes, so the token is
  * bitwise the one argmax over the full fp32 logits picks (first index among equal maxima).
  *
  * The bound, for row h and token v with w = w_v, a = max|w|, s = a / 127, q = round(w / s),
