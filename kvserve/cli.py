@@ -32,8 +32,9 @@ def _add_weights_arg(p: argparse.ArgumentParser) -> None:
                         "every linear, the LM head and the embedding at start (int8 per channel, int4 groups of 128) "
                         "onto kvserve's C int8 / int4 kernels on CPU (PyTorch's without a C compiler)")
     p.add_argument("--no-pack-weights", dest="pack_weights", action="store_false",
-                   help="CPU fp32: do not keep the packed copy of the weights for decode steps (saves one copy of "
-                        "the fp32 weights in memory; decode steps of several sequences get slower)")
+                   help="CPU fp32: do not keep the packed copy of the weights for decode steps nor the int8 screen "
+                        "of the LM head for greedy tokens (saves one copy of the fp32 weights and a quarter of the "
+                        "head in memory; decode steps get slower)")
 
 
 def _add_speculative_args(p: argparse.ArgumentParser) -> None:

@@ -43,7 +43,8 @@ class EngineConfig:
     weights: str = "float"
     # CPU fp32: keep every weight matrix (the tied LM head too) also packed for the decode-step
     # kernel (kvserve/model/panels.py): 1.2-4x MKL for steps of 1-128 sequences, for one more
-    # copy of the fp32 weights in memory. A model handed in as `loaded` gets its copies too.
+    # copy of the fp32 weights in memory. A model handed in as `loaded` gets its copies too. The
+    # packed head also gets an int8 screen for greedy steps (kvserve/model/greedy_head.py).
     pack_weights: bool = True
     # Sliding-window layers give back the KV blocks that fall wholly out of their window (one
     # block table per layer group, see kvserve/model/config.py `kv_layer_groups`). False = every

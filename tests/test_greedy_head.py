@@ -12,7 +12,8 @@ from kvserve.model.greedy_head import GreedyHead
 from kvserve.model.panels import Panels, use_panel_kernels
 
 needs_screen = pytest.mark.skipif(
-    kernels.pack_panels(torch.zeros(1, 1)) is None or kernels.pack_head_screen(torch.zeros(1, 2)) is None,
+    kernels.pack_panels(torch.zeros(1, 1)) is None
+    or kernels.pack_head_screen(kernels.pack_panels(torch.zeros(1, 2)), 1) is None,
     reason="panel / screen kernels unavailable (no compiler, or no AVX2)")
 
 
@@ -23,7 +24,8 @@ def _full_argmax(x: torch.Tensor, panels: Panels) -> torch.Tensor:
 
 def _screen(w: torch.Tensor, x: torch.Tensor, cap: int = kernels.SCREEN_CAP) -> tuple[torch.Tensor, Panels]:
     panels = Panels.pack(w)
-    return kernels.screen_argmax(x, panels.packed, panels.rows, kernels.pack_head_screen(w), cap=cap), panels
+    screen = kernels.pack_head_screen(panels.packed, panels.rows)
+    return kernels.screen_argmax(x, panels.packed, panels.rows, screen, cap=cap), panels
 
 
 @needs_screen

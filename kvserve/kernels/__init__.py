@@ -97,7 +97,7 @@ _SIGNATURES: dict[str, dict[str, tuple[list, object]]] = {
                    "pack_panels": ([_P, _P, _I, _I, _I], None),
                    "panel_gemm": ([_P, _P, _P, _I, _I, _I, _I], None)},
     "greedy_head": {"screen_available": ([], ctypes.c_int),  # exact greedy tokens of an fp32 head
-                    "screen_pack": ([_P, _P, _P, _P, _P, _I, _I, _I], None),
+                    "screen_pack": ([_P, _I, _P, _P, _P, _P, _I, _I, _I], None),
                     "screen_argmax": ([_P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I], ctypes.c_int)},
 }
 
@@ -345,22 +345,21 @@ def _screen_lib() -> ctypes.CDLL | None:
     return lib if lib is not None and lib.screen_available() else None  # 0: built without AVX2 + FMA
 
 
-def pack_head_screen(weight: torch.Tensor) -> HeadScreen | None:
-    """weight [V, K] fp32 (CPU, finite) -> its int8 copy for `screen_argmax`; None when the kernel
-    is unavailable or the weight does not apply."""
+def pack_head_screen(packed: torch.Tensor, n: int) -> HeadScreen | None:
+    """The head [n, K] packed by `pack_panels` (finite) -> its int8 copy for `screen_argmax`; None
+    when the kernel is unavailable or the head has a non-finite value."""
     lib = _screen_lib()
-    if lib is None or weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
+    if lib is None or packed.device.type != "cpu" or packed.dtype != torch.float32 or packed.dim() != 3:
         return None
-    w = weight.detach().contiguous()
-    if not bool(torch.isfinite(w).all()):
+    if not bool(torch.isfinite(packed).all()):
         return None
-    v, k = w.shape
+    k = packed.shape[1]
     kp = k + (k & 1)
-    screen = HeadScreen(q=torch.empty(-(-v // 16) * kp * 16, dtype=torch.int8),
-                        scale=torch.empty(v, dtype=torch.float64), c1=torch.empty(v, dtype=torch.float64),
-                        c2=torch.empty(v, dtype=torch.float64))
-    lib.screen_pack(w.data_ptr(), screen.q.data_ptr(), screen.scale.data_ptr(), screen.c1.data_ptr(),
-                    screen.c2.data_ptr(), v, k, torch.get_num_threads())
+    screen = HeadScreen(q=torch.empty(-(-n // 16) * kp * 16, dtype=torch.int8),
+                        scale=torch.empty(n, dtype=torch.float64), c1=torch.empty(n, dtype=torch.float64),
+                        c2=torch.empty(n, dtype=torch.float64))
+    lib.screen_pack(packed.data_ptr(), packed.shape[2], screen.q.data_ptr(), screen.scale.data_ptr(),
+                    screen.c1.data_ptr(), screen.c2.data_ptr(), n, k, torch.get_num_threads())
     return screen
 
 
@@ -370,8 +369,8 @@ SCREEN_CAP = 4096  # candidates a row may keep per thread before the caller comp
 def screen_argmax(x: torch.Tensor, packed: torch.Tensor, n: int, screen: HeadScreen,
                   cap: int = SCREEN_CAP) -> torch.Tensor:
     """x [M, K] fp32 (CPU) -> [M] int64: each row's first index of the maximum of
-    panel_matmul(x, packed, n) (packed: the head [n, K] from pack_panels, its screen from
-    pack_head_screen), found through the screen; -1 for a row it did not settle."""
+    panel_matmul(x, packed, n) (packed: the head [n, K] from pack_panels, the screen from
+    pack_head_screen of it), found through the screen; -1 for a row it did not settle."""
     lib = _screen_lib()
     assert lib is not None and screen.scale.shape[0] == n, "pack_head_screen first"
     x = x.contiguous()

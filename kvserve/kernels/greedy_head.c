@@ -38,22 +38,26 @@
 
 int screen_available(void) { return 1; }
 
-/* w [V, K] fp32 -> q (layout above), per token: scale s, c1 = e + gamma_K a, c2 = s |q|_1. */
-void screen_pack(const float *w, int8_t *q, double *scale, double *c1, double *c2, int V, int K, int threads) {
+/* The head [V, K] read from its panel_gemm.c copy wp [ceil(V / pw), K, pw] -> q (layout above),
+ * per token: scale s, c1 = e + gamma_K a, c2 = s |q|_1. (The packed copy: a tied embedding is often
+ * stored transposed, and a contiguous copy would cost 671 MB and a second at start.) */
+void screen_pack(const float *wp, int pw, int8_t *q, double *scale, double *c1, double *c2, int V, int K,
+                 int threads) {
     const int Kp = K + (K & 1), P = (V + PT - 1) / PT;
     const double u = ldexp(1.0, -24), gamma = K * u / (1.0 - K * u);
     memset(q, 0, (size_t)P * Kp * PT);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int v = 0; v < V; v++) {
-        const float *row = w + (size_t)v * K;
+        const float *col = wp + (size_t)(v / pw) * K * pw + v % pw; /* w[v, k] = col[k * pw] */
         double a = 0.0;
-        for (int k = 0; k < K; k++) a = fmax(a, fabs((double)row[k]));
+        for (int k = 0; k < K; k++) a = fmax(a, fabs((double)col[(size_t)k * pw]));
         const double s = a / 127.0;
         double e = 0.0, l1 = 0.0;
         int8_t *dst = q + (size_t)(v / PT) * Kp * PT + (size_t)(v % PT) * 2;
         for (int k = 0; k < K; k++) {
-            const double qv = s > 0.0 ? nearbyint(row[k] / s) : 0.0; /* |qv| <= 127 */
-            e = fmax(e, fabs((double)row[k] - s * qv));
+            const float x = col[(size_t)k * pw];
+            const double qv = s > 0.0 ? nearbyint(x / s) : 0.0; /* |qv| <= 127 */
+            e = fmax(e, fabs((double)x - s * qv));
             l1 += fabs(qv);
             dst[(size_t)(k >> 1) * 2 * PT + (k & 1)] = (int8_t)qv;
         }
@@ -262,8 +266,9 @@ int screen_argmax(const float *x, const float *wp, int pw, const int8_t *q, cons
 }
 #else
 int screen_available(void) { return 0; }
-void screen_pack(const float *w, int8_t *q, double *scale, double *c1, double *c2, int V, int K, int threads) {
-    (void)w, (void)q, (void)scale, (void)c1, (void)c2, (void)V, (void)K, (void)threads;
+void screen_pack(const float *wp, int pw, int8_t *q, double *scale, double *c1, double *c2, int V, int K,
+                 int threads) {
+    (void)wp, (void)pw, (void)q, (void)scale, (void)c1, (void)c2, (void)V, (void)K, (void)threads;
 }
 int screen_argmax(const float *x, const float *wp, int pw, const int8_t *q, const double *scale, const double *c1,
                   const double *c2, int64_t *tokens, int M, int V, int K, int cap, int threads) {

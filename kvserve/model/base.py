@@ -10,12 +10,12 @@ import math
 import torch
 from torch import nn
 
+from kvserve import kernels
 from kvserve.model.attention import AttentionMetadata, KVCache
 from kvserve.model.config import ModelConfig
 from kvserve.model.decode_plan import DecodePlan, plan_for
 from kvserve.model.greedy_head import GreedyHead
 from kvserve.model.layers import RMSNorm, RotaryEmbedding
-from kvserve import kernels
 from kvserve.model.panels import PanelLinear, Panels
 
 

@@ -45,14 +45,14 @@ class GreedyHead:
     def pack(cls, panels: Panels) -> GreedyHead | None:
         if len(panels.weights) != 1:
             return None
-        screen = kernels.pack_head_screen(panels.weight)
+        screen = kernels.pack_head_screen(panels.packed, panels.rows)
         return None if screen is None else cls(panels, screen)
 
     def _current(self) -> bool:
         if not self.panels.refresh():
             return False
         if self._stamp_of(self.weight) != self._stamp:
-            screen = kernels.pack_head_screen(self.weight)
+            screen = kernels.pack_head_screen(self.panels.packed, self.panels.rows)
             if screen is None:
                 return False
             self.screen, self._stamp = screen, self._stamp_of(self.weight)

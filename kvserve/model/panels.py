@@ -110,7 +110,8 @@ def fused_panels(current: Panels | None, *linears: nn.Module) -> Panels | None:
 def use_panel_kernels(model: nn.Module) -> int:
     """Pack every fp32 CPU nn.Linear of `model` (turned into PanelLinear in place: same
     parameters, same state_dict) and a tied LM head (`model.head_panels`, used by
-    `compute_logits`), and gives the packed head its greedy screen (`model.greedy_head`). Returns how many matrices were packed: 0 without the kernel."""
+    `compute_logits`), and gives the packed head its greedy screen (`model.greedy_head`). Returns
+    how many matrices were packed: 0 without the kernel."""
     count = 0
     for m in model.modules():
         if type(m) is PanelLinear:
