@@ -3,6 +3,10 @@ bitwise the argmax of the fp32 logits the panel kernel computes (first index amo
 on random heads, planted ties, outliers, rows the screen cannot settle, and Gemma's real head."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -66,6 +70,31 @@ def test_rows_the_screen_cannot_settle_are_left_to_the_caller():
     # With room for the candidates: the first of the ties; a zero row (every logit ties) and a
     # non-finite row are left to the full logits.
     assert got.tolist() == [7, -1, -1, _full_argmax(x[3:], panels)[0]]
+
+
+@needs_screen
+def test_screen_with_fewer_threads_than_asked():
+    """The OpenMP runtime may start fewer threads than asked (OMP_THREAD_LIMIT, nested regions):
+    the slots of threads that never ran must not count. Every logit is negative here."""
+    code = """
+import torch
+from kvserve import kernels
+from kvserve.model.panels import Panels
+g = torch.Generator().manual_seed(0)
+w = torch.randn(3000, 64, generator=g) * 0.05 - 1.0
+x = torch.rand(3, 64, generator=g) + 0.5
+p = Panels.pack(w)
+s = kernels.pack_head_screen(p.packed, p.rows)
+tok = torch.empty(3, dtype=torch.int64)
+kernels.kernel_lib("greedy_head").screen_argmax(
+    x.data_ptr(), p.packed.data_ptr(), p.packed.shape[2], s.q.data_ptr(), s.scale.data_ptr(), s.c1.data_ptr(),
+    s.c2.data_ptr(), tok.data_ptr(), 3, 3000, 64, 4096, 4)
+want = kernels.argmax_rows(p.matmul(x))
+assert torch.equal(tok, want), (tok, want)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "OMP_THREAD_LIMIT": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def _tiny(folder, tied: bool):

@@ -197,6 +197,9 @@ int screen_argmax(const float *x, const float *wp, int pw, const int8_t *q, cons
         }
         sh[i] = s, hl1[i] = l1 * SLACK, r[i] = err * SLACK;
     }
+    /* Set here, not in the threads: the runtime may start fewer than asked, and the merge below
+     * reads every slot. */
+    for (size_t j = 0; j < (size_t)threads * M; j++) best_lo[j] = -INFINITY;
 #pragma omp parallel num_threads(threads)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -204,7 +207,6 @@ int screen_argmax(const float *x, const float *wp, int pw, const int8_t *q, cons
         double *T = best_lo + (size_t)t * M;
         int *cnt = count + (size_t)t * M;
         cand *mine = buf + (size_t)t * M * cap;
-        for (int i = 0; i < M; i++) T[i] = -INFINITY;
         int32_t dots[MR][PT];
         for (int p = p0; p < p1; p++) {
             const int8_t *panel = q + (size_t)p * Kp * PT;
