@@ -156,9 +156,9 @@ static inline void bounds(const int32_t *dots, const double *scale, const double
 }
 
 /* x [M, K] fp32 rows, wp the fp32 head packed by panel_gemm.c's pack_panels (pw columns a panel),
- * q/scale/c1/c2 from screen_pack -> tokens [M]: each
- * row's argmax; -1 for a row the screen did not settle (more than cap candidates in one thread,
- * a zero or non-finite row) and the caller computes in full. Returns how many rows those are. */
+ * q/scale/c1/c2 from screen_pack -> tokens [M]: each row's argmax; -1 for a row the screen did not
+ * settle (more than cap candidates in one thread, a zero or non-finite row) and the caller
+ * computes in full. Returns how many rows those are. */
 int screen_argmax(const float *x, const float *wp, int pw, const int8_t *q, const double *scale, const double *c1,
                   const double *c2, int64_t *tokens, int M, int V, int K, int cap, int threads) {
     const int Kp = K + (K & 1), P = (V + PT - 1) / PT;
