@@ -3,8 +3,9 @@ batch-1 decode tok/s, and how close decode runs to the memory-bandwidth bound.
 
 Batch-1 decode reads every weight once per token (the tied LM head included; where the engine
 screens greedy tokens through the head's int8 copy, model/greedy_head.py, that copy instead of the
-fp32 head) plus the KV cache of the context, so its bound is bandwidth / bytes-per-token. The bandwidth is measured here, on
-this machine, by a reduction over a 1 GiB tensor (what a GEMV streaming weights can reach).
+fp32 head) plus the KV cache of the context, so its bound is bandwidth / bytes-per-token. The
+bandwidth is measured here, on this machine, by a reduction over a 1 GiB tensor (what a GEMV
+streaming weights can reach).
 Every prompt is new (random token ids, prefix cache off), so prefill is really computed.
 """
 from __future__ import annotations
