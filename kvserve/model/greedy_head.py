@@ -25,7 +25,7 @@ class GreedyHead:
     def __init__(self, panels: Panels, screen: kernels.HeadScreen):
         self.panels = panels
         self.screen = screen
-        self._stamp = self._stamp_of(panels.weight)
+        self._source = panels.packed  # Panels.refresh repacks into a new tensor: the screen follows it
 
     @property
     def weight(self) -> torch.Tensor:
@@ -37,10 +37,6 @@ class GreedyHead:
         s = self.screen
         return sum(t.numel() * t.element_size() for t in (s.q, s.scale, s.c1, s.c2))
 
-    @staticmethod
-    def _stamp_of(weight: torch.Tensor) -> tuple:
-        return weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape)
-
     @classmethod
     def pack(cls, panels: Panels) -> GreedyHead | None:
         if len(panels.weights) != 1:
@@ -51,11 +47,11 @@ class GreedyHead:
     def _current(self) -> bool:
         if not self.panels.refresh():
             return False
-        if self._stamp_of(self.weight) != self._stamp:
+        if self.panels.packed is not self._source:
             screen = kernels.pack_head_screen(self.panels.packed, self.panels.rows)
             if screen is None:
                 return False
-            self.screen, self._stamp = screen, self._stamp_of(self.weight)
+            self.screen, self._source = screen, self.panels.packed
         return True
 
     def tokens(self, hidden: torch.Tensor) -> tuple[torch.Tensor, list[int]] | None:
