@@ -156,3 +156,28 @@ def test_gemma_generation_through_the_screen_equals_the_full_logits(gemma_llm, m
     n = len(calls)
     assert [o.outputs[0].token_ids for o in gemma_llm.generate(prompts, greedy)] == got
     assert len(calls) == n
+
+
+@needs_screen
+def test_greedy_speculative_verification_through_the_screen(gemma, monkeypatch):
+    """Plain greedy drafts are verified from the screen's argmax rows (no logits): the same
+    tokens as plain decoding, and the drafts are still accepted."""
+    from kvserve import LLM, SamplingParams
+    from tests.test_speculative import PROMPTS
+
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [PROMPTS[0], PROMPTS[2]]  # an input-grounded prompt (n-gram drafts hit) and a free one
+    want = [o.outputs[0].token_ids for o in LLM(loaded=gemma, kv_cache_gib=0.25).generate(prompts, greedy)]
+    llm = LLM(loaded=gemma, kv_cache_gib=0.25, speculative="ngram", num_speculative_tokens=4)
+    calls = []
+    real = kernels.screen_argmax
+    monkeypatch.setattr(kernels, "screen_argmax", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == want
+    stats = llm.engine.stats()
+    assert stats["spec_num_accepted_tokens"] > 0
+    assert max(calls) > len(prompts)  # verification rows went through the screen
+    # A request asking for logprobs: its steps take the full logits, the tokens stay the same.
+    with_lp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    n = len(calls)
+    out = llm.generate(prompts[0], with_lp)[0].outputs[0]
+    assert out.token_ids == want[0] and len(out.logprobs) == 24 and len(calls) == n

@@ -32,7 +32,7 @@ from kvserve.sampling.stop import IncrementalDetokenizer, StopChecker
 from kvserve.sampling_params import SamplingParams
 from kvserve.sequence import Sequence, SequenceStatus
 from kvserve.spec.proposers import Draft, ModelDrafter, NgramDrafter
-from kvserve.spec.rejection import rejection_sample
+from kvserve.spec.rejection import accept_greedy, rejection_sample
 
 log = logging.getLogger(__name__)
 # StreamingLLM's default context cap: a position is only a stream index there (the model sees
@@ -360,15 +360,16 @@ class LLMEngine:
                 samplers.append(seq)
                 rows.append(num_rows)
             num_rows += item.num_logits
-        tokens = None
-        if samplers and not spec and rows == list(range(num_rows)) and self.sampler.greedy_only(
-                [self._sampling_request(s) for s in samplers]):
+        picked = None
+        if self._argmax_only(samplers, rows, spec, num_rows):
             tokens, logits = self.runner.execute_greedy(inputs)  # tokens without the full logits
+            picked = None if tokens is None else tokens.tolist()
         else:
             logits = self.runner.execute(inputs)
         # Speculative tokens are appended before `update` (which sets num_rejected-aware
         # progress): blocks that become full are hashed from tokens that must already be there.
-        self._accept(self._verify(logits, spec, drafts), touched)
+        verified = self._verify(logits, spec, drafts) if picked is None else self._verify_argmax(picked, spec, drafts)
+        self._accept(verified, touched)
         self.scheduler.update(sched)
         for item, _ in spec:
             seq = item.seq
@@ -383,8 +384,7 @@ class LLMEngine:
             # next step recomputes the whole sequence (a long prompt still goes in chunks first).
             for seq in samplers:
                 seq.num_computed_tokens = 0
-        if samplers and tokens is not None:
-            picked = tokens.tolist()
+        if samplers and picked is not None:
             now = self.clock()
             for row, seq in zip(rows, samplers):  # plain greedy: no logprobs to report
                 self._append(seq, picked[row], None, None, now)
@@ -397,13 +397,23 @@ class LLMEngine:
                 self._append(seq, out.token_ids[i], out.logprobs[i], out.top_logprobs[i], now)
                 touched.add(seq.request_id)
 
+    def _argmax_only(self, samplers: list[Sequence], rows: list[int], spec: list, num_rows: int) -> bool:
+        """Every logit row of the step wants only its argmax: plain greedy sampling, or the
+        verification of a plain greedy sequence's drafts (no logprobs, penalties or min_tokens)."""
+        spec_rows = [r + j for it, r in spec for j in range(it.num_logits)]
+        if not num_rows or sorted(rows + spec_rows) != list(range(num_rows)):
+            return False
+        seqs = samplers + [it.seq for it, _ in spec]
+        return self.sampler.greedy_only([self._sampling_request(s) for s in seqs])
+
     def _accept(self, verified: list, touched: set[str]) -> None:
         now = self.clock()
         for seq, tokens, lps in verified:
             for j, token in enumerate(tokens):
                 if seq.finished:
                     break  # a stop inside the accepted run: the rest is dropped
-                self._append(seq, token, lps.logprobs[j], lps.top_logprobs[j], now)
+                lp, top = (None, None) if lps is None else (lps.logprobs[j], lps.top_logprobs[j])
+                self._append(seq, token, lp, top, now)
             touched.add(seq.request_id)
 
     @staticmethod
@@ -511,17 +521,30 @@ class LLMEngine:
                                [it.seq.params for it in items], [it.seq.extra["generator"] for it in items])
         out, offset = [], 0
         for it, tokens, accepted in zip(items, res.token_ids, res.num_accepted):
-            it.num_rejected = it.num_spec - accepted
-            st = self.spec_stats
-            st["num_drafts"] += 1
-            st["num_draft_tokens"] += it.num_spec
-            st["num_accepted_tokens"] += accepted
+            self._count_accepted(it, accepted)
             rows_i = target[offset: offset + len(tokens)]
             offset += it.num_logits
             req = [self._sampling_request(it.seq)] * len(tokens)
             lps = self.sampler.token_logprobs(rows_i, torch.tensor(tokens, device=target.device), req)
             out.append((it.seq, tokens, lps))
         return out
+
+    def _verify_argmax(self, picked: list[int], spec: list, drafts: dict[int, Draft]) -> list:
+        """Plain greedy drafts verified from the step's argmax tokens (`picked`, one per logit
+        row: the model's greedy screen, no logits): the same tokens as `_verify`, no logprobs."""
+        out = []
+        for it, row in spec:
+            tokens = accept_greedy(drafts[id(it)].token_ids, picked[row : row + it.num_logits])
+            self._count_accepted(it, len(tokens) - 1)
+            out.append((it.seq, tokens, None))
+        return out
+
+    def _count_accepted(self, item, accepted: int) -> None:
+        item.num_rejected = item.num_spec - accepted
+        st = self.spec_stats
+        st["num_drafts"] += 1
+        st["num_draft_tokens"] += item.num_spec
+        st["num_accepted_tokens"] += accepted
 
     def _fork_children(self, parent: Sequence) -> list[Sequence]:
         """The request's other samples, forked from `parent` right after its prompt is computed."""

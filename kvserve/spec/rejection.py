@@ -114,17 +114,21 @@ def _verify_greedy(
         local, pos = [0] * len(starts), 0
         for i in seqs:
             local[i], pos = pos, pos + len(draft_token_ids[i]) + 1
-    out: dict[int, list[int]] = {}
-    for i in seqs:
-        best = argmax[local[i] : local[i] + len(draft_token_ids[i]) + 1]
-        emitted: list[int] = []
-        for draft, top in zip(draft_token_ids[i], best):
-            if draft != top:
-                break
-            emitted.append(draft)
-        emitted.append(best[len(emitted)])  # correction at the first mismatch, or the bonus
-        out[i] = emitted
-    return out
+    return {i: accept_greedy(draft_token_ids[i], argmax[local[i] : local[i] + len(draft_token_ids[i]) + 1])
+            for i in seqs}
+
+
+def accept_greedy(draft: Sequence[int], best: Sequence[int]) -> list[int]:
+    """A greedy sequence's verification from the target's argmax rows: draft [k] tokens, best
+    [k + 1] (row j: the argmax given drafts 0..j-1) -> the drafts kept while they equal the
+    argmax, then the argmax at the first mismatch (or the bonus after all k)."""
+    emitted: list[int] = []
+    for token, top in zip(draft, best):
+        if token != top:
+            break
+        emitted.append(token)
+    emitted.append(best[len(emitted)])
+    return emitted
 
 
 def _verify_random(
