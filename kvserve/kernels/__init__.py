@@ -39,9 +39,9 @@ def _cpu_signature() -> str:
     return platform.processor() or platform.machine()
 
 
-# Libraries a source links beyond libm: gelu.c calls glibc's vector tanhf (libmvec); where it is
-# missing the build fails and that kernel falls back to torch.
-_LIBS = {"gelu.c": ["-lmvec"]}
+# Libraries a source links beyond libm: gelu.c and prefill_attention.c call glibc's vector tanhf /
+# expf (libmvec); where it is missing the build fails and that kernel falls back to torch.
+_LIBS = {"gelu.c": ["-lmvec"], "prefill_attention.c": ["-lmvec"]}
 
 
 def _compile(src: Path, out: Path) -> None:
@@ -83,6 +83,9 @@ _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES: dict[str, dict[str, tuple[list, object]]] = {
     "paged_attention": {"paged_decode": ([_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I, _I],
                                          ctypes.c_int)},
+    "prefill_attention": {"prefill_attention_available": ([], ctypes.c_int),  # prefill chunks from the pool
+                          "prefill_attention": ([_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _F, _I],
+                                                ctypes.c_int)},
     "lowbit_gemv": {"int8_gemv": ([_P, _P, _P, _P, _I, _I, _I, _I], None),  # a few rows, int8 / int4 weights
                     "int4_gemv": ([_P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I], ctypes.c_int),
                     "int4_dequant": ([_P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I], None)},
@@ -380,6 +383,38 @@ def screen_argmax(x: torch.Tensor, packed: torch.Tensor, n: int, screen: HeadScr
                       screen.c1.data_ptr(), screen.c2.data_ptr(), tokens.data_ptr(), m, n, k, cap,
                       torch.get_num_threads())
     return tokens
+
+
+def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
+                      first_kv: int, first_q: int, window: int | None, scale: float,
+                      out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """One sequence's chunk of queries against its context in the paged pool, with the C kernel
+    (kernels/prefill_attention.c); None where it does not apply (no kernel, not fp32 on the CPU,
+    head_dim not a multiple of 16) and the caller uses SDPA.
+
+    q [T, H, D], query t at position first_q + t; k_pool, v_pool [slots, KVH, D]; slots [n] int64,
+    slots[j] holding position first_kv + j. Query position x attends p in [first_kv, x], and
+    p > x - window with a window. out: a contiguous [T, H, D] to write into. -> [T, H, D].
+    """
+    if not _f32_cpu(q, k_pool, v_pool) or q.shape[-1] % 16 or q.shape[1] % k_pool.shape[1]:
+        return None
+    if not (k_pool.is_contiguous() and v_pool.is_contiguous()) or slots.dtype != torch.int64:
+        return None
+    if out is not None and not (out.is_contiguous() and out.shape == q.shape and out.dtype == q.dtype):
+        return None
+    lib = kernel_lib("prefill_attention")
+    if lib is None or not lib.prefill_attention_available():
+        return None
+    q, slots = q.contiguous(), slots.contiguous()
+    T, H, D = q.shape
+    if out is None:
+        out = torch.empty_like(q)
+    rc = lib.prefill_attention(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), slots.data_ptr(), out.data_ptr(),
+                               T, H, k_pool.shape[1], D, slots.shape[0], first_kv, first_q, window or 0, scale,
+                               torch.get_num_threads())
+    if rc == -1:
+        raise MemoryError("prefill attention kernel could not allocate its scratch memory")
+    return out if rc == 0 else None
 
 
 def paged_decode_attention(q, k_pool, v_pool, tables, starts, lens, block_size: int, scale: float,

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.kernels import norm_rope_write, paged_decode_attention
+from kvserve.kernels import norm_rope_write, paged_decode_attention, prefill_attention
 from kvserve.model.config import ModelConfig
 from kvserve.model import layers
 from kvserve.model.layers import RMSNorm, apply_rope
@@ -171,7 +171,7 @@ class SeqAttention:
     def ctx_len(self) -> int:
         return int(self.ctx_slots.shape[0])
 
-    def _first_kv(self, window: int | None) -> int:
+    def first_kv(self, window: int | None) -> int:
         """First position a layer with this window reads."""
         return 0 if window is None else max(0, self.ctx_len - self.q_len - window + 1)
 
@@ -180,11 +180,11 @@ class SeqAttention:
         lower-triangular with q_len == n_kv) for a layer."""
         if window not in self._masks:
             self._masks[window] = self._build(window)
-        return self.ctx_slots[self._first_kv(window):], self._masks[window]
+        return self.ctx_slots[self.first_kv(window):], self._masks[window]
 
     def _build(self, window: int | None) -> torch.Tensor | str | None:
         first_q = self.ctx_len - self.q_len  # position of the first query token
-        start = self._first_kv(window)
+        start = self.first_kv(window)
         if self.q_len == 1:
             return None  # a single query at the end sees exactly [start, ctx_len)
         if first_q == 0 and (window is None or self.ctx_len <= window):
@@ -370,11 +370,26 @@ class Attention(nn.Module):
         if meta.decode is not None:
             self._decode(q, kv_cache, meta.decode, out)
         for s in meta.seqs:
+            rows = slice(s.q_start, s.q_start + s.q_len)
+            if self._prefill_kernel(q[rows], kv_cache, s, out[rows]):
+                continue
             slots, mask = s.view(self.window)
             ks, vs = kv_cache.read(self.kv_source, slots)
             ks, vs = ks.transpose(0, 1).to(q.dtype), vs.transpose(0, 1).to(q.dtype)  # [KVH, n_kv, D]
-            out[s.q_start : s.q_start + s.q_len] = self._attend(q[s.q_start : s.q_start + s.q_len], ks, vs, mask)
+            out[rows] = self._attend(q[rows], ks, vs, mask)
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+
+    def _prefill_kernel(self, q: torch.Tensor, kv_cache: KVCache, s: SeqAttention, out: torch.Tensor) -> bool:
+        """One sequence's queries q [q_len, H, D] through the C kernel, reading its K/V in place
+        (no gather, masked blocks skipped) into out [q_len, H, D]; False where it does not apply
+        (a quantized pool, no kernel, another dtype or device) and SDPA runs."""
+        if kv_cache.quantized or q.requires_grad:
+            return False
+        k_pool, v_pool, _ = kv_cache.layer(self.kv_source)
+        first_kv = s.first_kv(self.window)
+        got = prefill_attention(q, k_pool, v_pool, s.ctx_slots[first_kv:], first_kv, s.ctx_len - s.q_len,
+                                self.window, self.scale, out=out)
+        return got is not None
 
     def fuse_panels(self) -> None:
         """Pack q/k/v (bias-free PanelLinears) as one matrix; idempotent."""
