@@ -2,12 +2,14 @@
 side by side, one run.
 
     python benchmarks/peers/run.py [--engines kvserve,kvserve-int8,kvserve-int4,hf,llamacpp,vllm]
-                                   [--repeats 3] [--quick]
+                                   [--repeats 3] [--rounds 1] [--quick]
                                    [--json-dir DIR] [--plot PATH] [--threads N]
 
 The prompts are built once here, as token ids with a fixed seed, and the same ids go to every
 engine; each engine runs alone in its own subprocess (its own venv where it has one) and prints
-one JSON line. Metrics (defined in `_common.py`, medians of --repeats runs):
+one JSON line. With --rounds R every engine runs R times, the engines in turns (the order reversed
+every other round), so a slow spell of a shared machine falls on all of them rather than on the one
+running then; the medians are over all R x --repeats runs. Metrics (defined in `_common.py`):
 
 - decode tok/s: batch-1 greedy, --decode-new-tokens after a short text prompt, first token excluded;
 - prefill tok/s and TTFT: a fresh --prefill-len-token prompt per run (prefix caching off);
@@ -79,6 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engines", default=",".join(ALL_ENGINES), help="comma list of " + ", ".join(ALL_ENGINES))
     p.add_argument("--repeats", type=int, default=3, help="runs per metric; medians are reported (>= 3 for reports)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every engine this many times, in turns; medians over rounds x repeats runs")
     p.add_argument("--quick", action="store_true", help="tiny settings: smoke-test every adapter in a minute or two")
     p.add_argument("--model", default=None, help="GGUF path (default: the bundled Gemma 3 270M Q4_K_M)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="CPU threads per engine (torch, llama.cpp, vLLM)")
@@ -104,8 +108,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                    "(default benchmarks/peers/results/<time>)")
     p.add_argument("--plot", default=None, help="bar chart PNG (default <json-dir>/peers.png)")
     args = p.parse_args(argv)
-    if args.repeats < 1 or args.threads < 1:
-        p.error("--repeats and --threads must be >= 1")
+    if args.repeats < 1 or args.threads < 1 or args.rounds < 1:
+        p.error("--repeats, --rounds and --threads must be >= 1")
     if not all(x.strip().isdigit() and int(x) >= 1 for x in args.llamacpp_parallel.split(",")):
         p.error(f"--llamacpp-parallel: expected a comma list of integers >= 1, got {args.llamacpp_parallel!r}")
     for flag, value, allowed in (("--llamacpp-kv", args.llamacpp_kv, LLAMACPP_KV_MODES),
@@ -142,6 +146,7 @@ def build_spec(args: argparse.Namespace) -> dict:
         "model": str(model_path),
         "threads": args.threads,
         "repeats": args.repeats,
+        "rounds": args.rounds,
         "check_tokens": args.check_tokens,
         "metrics": args.metrics.split(","),
         "max_model_len": longest + 16,
@@ -185,11 +190,12 @@ def engine_env(name: str, threads: int) -> dict[str, str]:
     return env
 
 
-def run_engine(spec: EngineSpec, spec_path: Path, out_dir: Path, threads: int, timeout: float) -> Outcome:
-    """Run one adapter in its own process; its stderr goes to <out_dir>/<engine>.log."""
+def run_engine(spec: EngineSpec, spec_path: Path, out_dir: Path, threads: int, timeout: float,
+               tag: str = "") -> Outcome:
+    """Run one adapter in its own process; its stderr goes to <out_dir>/<engine><tag>.log."""
     if not spec.python.exists():
         return Outcome(spec.name, unavailable=f"venv missing ({spec.python.parent.parent.name}; run {spec.setup_hint})")
-    out_json, log_path = out_dir / f"{spec.name}.json", out_dir / f"{spec.name}.log"
+    out_json, log_path = out_dir / f"{spec.name}{tag}.json", out_dir / f"{spec.name}{tag}.log"
     cmd = [str(spec.python), str(spec.adapter), str(spec_path), str(out_json), spec.name]
     print(f"== {spec.name}: {' '.join(cmd)} (log {log_path})", flush=True)
     t = time.perf_counter()
@@ -212,6 +218,26 @@ def run_engine(spec: EngineSpec, spec_path: Path, out_dir: Path, threads: int, t
     if result.get("error") and not (result.get("decode_runs") or result.get("prefill_runs")):
         out.unavailable = result["error"][:300]
     return out
+
+
+RUN_KEYS = ("decode_runs", "ttft_runs", "prefill_runs", "throughput_runs")
+
+
+def merge_rounds(rounds: list[Outcome]) -> Outcome:
+    """One engine's outcomes of several rounds -> one: the runs of every round that gave a result
+    (in round order), the first such round's other fields, notes without repeats, total wall time."""
+    got = [o for o in rounds if not o.unavailable]
+    wall = sum(o.wall_s for o in rounds)
+    if not got:
+        return Outcome(rounds[0].engine, unavailable=rounds[0].unavailable, wall_s=wall)
+    result = dict(got[0].result)
+    for key in RUN_KEYS:
+        result[key] = [x for o in got for x in o.result.get(key, [])]
+    result["notes"] = list(dict.fromkeys(n for o in got for n in o.result.get("notes", [])))
+    if len(rounds) > 1:
+        result["rounds"] = len(got)
+        result["load_s"] = [o.result.get("load_s") for o in got]
+    return Outcome(rounds[0].engine, result, wall_s=wall)
 
 
 def med(xs: list[float]) -> float | None:
@@ -246,8 +272,8 @@ def print_table(outcomes: list[Outcome], spec: dict) -> str:
     engine (> 1: kvserve faster), then the ACCEPTANCE decode ratios of the low-bit engines."""
     lines = [f"decode: batch-1 greedy, {len(spec['decode_prompt'])}-token prompt + {spec['decode_new_tokens']} new tokens; "
              f"prefill/TTFT: fresh {len(spec['prefill_prompts'][0])}-token prompt; throughput: "
-             f"{len(spec['throughput_prompts'])} requests; {spec['threads']} threads; median of {spec['repeats']} "
-             f"(raw runs in parentheses)", "",
+             f"{len(spec['throughput_prompts'])} requests; {spec['threads']} threads; median of "
+             f"{_runs_text(spec)} (raw runs in parentheses)", "",
              "| engine | weights | decode tok/s | prefill tok/s | TTFT ms | throughput out tok/s | throughput setting "
              f"| first {spec['check_tokens']} tokens = kvserve |",
              "|---|---|---|---|---|---|---|---|"]
@@ -288,6 +314,13 @@ def print_table(outcomes: list[Outcome], spec: dict) -> str:
     text = "\n".join(lines)
     print(text, flush=True)
     return text
+
+
+def _runs_text(spec: dict) -> str:
+    rounds = spec.get("rounds", 1)
+    if rounds == 1:
+        return str(spec["repeats"])
+    return f"{rounds} rounds x {spec['repeats']} (engines in turns, the order reversed every other round)"
 
 
 def _match(tokens: list[int], ref: list[int]) -> str:
@@ -376,16 +409,20 @@ def main(argv: list[str] | None = None) -> int:
     spec_path = out_dir / "spec.json"
     spec_path.write_text(json.dumps(spec))
     specs = engine_specs()
-    outcomes: list[Outcome] = []
-    for name in engines:
-        if name == "vllm" and specs[name].python.exists():
-            err = export_hf_dir(spec, out_dir)
-            if err:
-                outcomes.append(Outcome(name, unavailable=err))
-                continue
-        o = run_engine(specs[name], spec_path, out_dir, args.threads, args.timeout)
-        print(f"== {name}: {'not available: ' + o.unavailable if o.unavailable else 'done'} ({o.wall_s:.0f} s)", flush=True)
-        outcomes.append(o)
+    runs: dict[str, list[Outcome]] = {name: [] for name in engines}
+    for r in range(args.rounds):
+        for name in engines if r % 2 == 0 else engines[::-1]:
+            if name == "vllm" and specs[name].python.exists():
+                err = export_hf_dir(spec, out_dir)
+                if err:
+                    runs[name].append(Outcome(name, unavailable=err))
+                    continue
+            tag = f".r{r + 1}" if args.rounds > 1 else ""
+            o = run_engine(specs[name], spec_path, out_dir, args.threads, args.timeout, tag)
+            print(f"== {name}{tag}: {'not available: ' + o.unavailable if o.unavailable else 'done'} "
+                  f"({o.wall_s:.0f} s)", flush=True)
+            runs[name].append(o)
+    outcomes = [merge_rounds(runs[name]) for name in engines]
     print()
     table = print_table(outcomes, spec)
     (out_dir / "table.md").write_text(table + "\n")
