@@ -3,8 +3,9 @@
  * Why: torch's SDPA wants K/V as dense tensors, so the runner first gathered the sequence's whole
  * context out of the pool (a copy per layer per chunk), and a chunk after the first needs an
  * explicit mask, under which SDPA computes every masked score too. Here the G query heads of a
- * KV head (GQA/MQA) form the rows of one tile against each block of K/V positions read in place,
- * blocks wholly masked (above the causal diagonal, or out of a sliding window) are skipped, and
+ * KV head (GQA/MQA) form the rows of one tile against each block of the context's K/V, copied
+ * from the pool's slots once per call, blocks wholly masked (above the causal diagonal, or out of
+ * a sliding window) are skipped, and
  * the softmax runs online (flash attention): per row a running max m, sum l and unnormalised
  * output o, rescaled by exp(m_old - m_new) when the max grows.
  *
