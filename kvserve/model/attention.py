@@ -380,9 +380,10 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
 
     def _prefill_kernel(self, q: torch.Tensor, kv_cache: KVCache, s: SeqAttention, out: torch.Tensor) -> bool:
-        """One sequence's queries q [q_len, H, D] through the C kernel, reading its K/V in place
-        (no gather, masked blocks skipped) into out [q_len, H, D]; False where it does not apply
-        (a quantized pool, no kernel, another dtype or device) and SDPA runs."""
+        """One sequence's queries q [q_len, H, D] through the C kernel, which reads its K/V from
+        the pool's slots itself (no gathered tensors, masked blocks skipped), into out [q_len, H,
+        D]; False where it does not apply (a quantized pool, no kernel, another dtype or device)
+        and SDPA runs."""
         if kv_cache.quantized or q.requires_grad:
             return False
         k_pool, v_pool, _ = kv_cache.layer(self.kv_source)
