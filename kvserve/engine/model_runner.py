@@ -2,12 +2,12 @@
 one forward pass -> logits for the sequences that sample."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence as Seq
 
 import torch
 
-from kvserve.model.attention import AttentionMetadata, DecodeBatch, KVCache, SeqAttention
+from kvserve.model.attention import AttentionMetadata, DecodeBatch, KeptRows, KVCache, SeqAttention
 from kvserve.model.base import CausalLM
 from kvserve.model.streaming import PagedStreamingAttention, StreamPolicy
 
@@ -44,6 +44,9 @@ class ModelRunner:
         self._block_offsets = torch.arange(block_size, device=self.device)
         self.stream_policies = stream_policies
         self._rotary = [model.rotary[t] for t in model.config.layer_types]
+        # The last layer past its K/V write for the logit rows only (KeptRows); off: every row,
+        # the rows picked after the final norm (the same numbers; kept for tests and A/B runs).
+        self.keep_logit_rows = True
 
     def _ctx_slots(self, block_table: Seq[int], ctx_len: int) -> torch.Tensor:
         """Slot of each logical position [ctx_len]: block_table[p // bs] * bs + p % bs.
@@ -152,8 +155,42 @@ class ModelRunner:
         input_ids, positions, meta, logit_rows = self.prepare(inputs)
         if self.stream_policies is not None:  # StreamingLLM owns pool writes and rotation
             meta.custom = PagedStreamingAttention(self.kv_cache, meta, positions, self.stream_policies, self._rotary)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta, num_layers=num_layers)
-        return hidden.index_select(0, logit_rows)
+        keep = self._kept_rows(inputs, meta, logit_rows, input_ids.shape[0]) if self.keep_logit_rows else None
+        hidden = self.model(input_ids, positions, self.kv_cache, meta, num_layers=num_layers, keep=keep)
+        return hidden if keep is not None else hidden.index_select(0, logit_rows)
+
+    def _kept_rows(self, inputs: Seq[StepInput], meta: AttentionMetadata, logit_rows: torch.Tensor,
+                   num_rows: int) -> KeptRows | None:
+        """The attention metadata of the logit rows alone (each sequence's last num_logits
+        queries), for the last layer; None where every row needs logits (decode steps), a decode
+        row needs none, or StreamingLLM's attention owns the step."""
+        if self.stream_policies is not None or logit_rows.shape[0] == num_rows:
+            return None
+        spans: list[tuple[int, int]] = []  # (first kept row, kept rows) of each multi-token input
+        decode_rows: list[int] = []
+        kept = 0
+        for inp in inputs:
+            k = inp.num_logits if inp.needs_logits else 0
+            if len(inp.token_ids) == 1:  # a decode row (prepare's rule): in the step's DecodeBatch
+                if k == 0:
+                    return None
+                decode_rows.append(kept)
+            else:
+                spans.append((kept, k))
+            kept += k
+        rows = self._tensor(decode_rows)
+        masks: list[dict] = [{} for _ in spans]  # per sequence, shared by the groups as in prepare
+        metas = []
+        for m in meta.groups or [meta]:
+            seqs = [SeqAttention(first, k, s.ctx_slots, masks[i])
+                    for i, (s, (first, k)) in enumerate(zip(m.seqs, spans)) if k]
+            decode = None if m.decode is None else replace(m.decode, rows=rows, _groups={})
+            metas.append(AttentionMetadata(slot_mapping=m.slot_mapping, seqs=seqs, decode=decode))
+        kept_meta = metas[0]
+        if len(metas) > 1:
+            kept_meta = AttentionMetadata(slot_mapping=kept_meta.slot_mapping, seqs=kept_meta.seqs,
+                                          decode=kept_meta.decode, groups=metas)
+        return KeptRows(logit_rows, kept_meta)
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: Seq[tuple[int, int]], block_size: int) -> None:

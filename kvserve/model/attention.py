@@ -270,6 +270,19 @@ class AttentionMetadata:
         return self.groups[group] if self.groups else self
 
 
+@dataclass
+class KeptRows:
+    """The rows a forward pass's last layer carries past its K/V write: the rows whose logits
+    are needed. The other rows' K/V must be in the pool for later steps, but their outputs of the
+    last layer (attention, o_proj, MLP) feed nothing, so a prompt chunk pays that layer for one row.
+
+    `meta` describes attention for the kept rows alone (row i of it is rows[i] of the step),
+    sharing the pool and the context slots of the step's own metadata."""
+
+    rows: torch.Tensor  # [N] int64, increasing indices into the step's T rows
+    meta: AttentionMetadata
+
+
 class Attention(nn.Module):
     """Multi-head attention with grouped K/V heads (MHA, GQA and MQA alike)."""
 
@@ -311,15 +324,17 @@ class Attention(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: KVCache,
         meta: AttentionMetadata,
+        keep: KeptRows | None = None,
     ) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]."""
+        """x [T, hidden] -> [T, hidden]; with `keep`, K/V of all T rows are written and the
+        output is that of the kept rows only, [N, hidden]."""
         T = x.shape[0]
         q, k, v = self._project(x)
         if meta.custom is None:
-            group_meta = meta.for_group(kv_cache.group_of(self.kv_source))
-            rotated = self._fused_prologue(q, k, v, cos_sin, kv_cache, group_meta)
+            group = kv_cache.group_of(self.kv_source)
+            rotated = self._fused_prologue(q, k, v, cos_sin, kv_cache, meta.for_group(group))
             if rotated is not None:
-                return self._attend_all(rotated, kv_cache, group_meta)
+                return self._attend_kept(rotated, kv_cache, meta, group, keep, x.shape[1])
         if self.q_norm is not None:
             q = self.q_norm(q)
         if self.computes_kv:
@@ -330,14 +345,24 @@ class Attention(nn.Module):
         if meta.custom is not None:  # a caller-owned cache and rotation (see AttentionMetadata)
             if not self.computes_kv:
                 k, v = meta.shared_kv[self.kv_source]
-            return self.o_proj(meta.custom(self, q, k, v).reshape(T, self.num_heads * self.head_dim))
+            out = self.o_proj(meta.custom(self, q, k, v).reshape(T, self.num_heads * self.head_dim))
+            return out if keep is None else out.index_select(0, keep.rows)
         cos, sin = cos_sin
         q = apply_rope(q, cos, sin)
 
-        meta = meta.for_group(kv_cache.group_of(self.kv_source))
+        group = kv_cache.group_of(self.kv_source)
         if self.computes_kv:  # a reusing layer reads its source's pages, written earlier in this pass
-            kv_cache.write(self.layer, meta.slot_mapping, apply_rope(k, cos, sin), v)
-        return self._attend_all(q, kv_cache, meta)
+            kv_cache.write(self.layer, meta.for_group(group).slot_mapping, apply_rope(k, cos, sin), v)
+        return self._attend_kept(q, kv_cache, meta, group, keep, x.shape[1])
+
+    def _attend_kept(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, group: int,
+                     keep: KeptRows | None, hidden: int) -> torch.Tensor:
+        """Rotated q [T, H, D] (K/V written) -> [T, hidden], or with `keep` the kept rows' [N, hidden]."""
+        if keep is None:
+            return self._attend_all(q, kv_cache, meta.for_group(group))
+        if keep.rows.numel() == 0:
+            return q.new_empty((0, hidden))
+        return self._attend_all(q.index_select(0, keep.rows), kv_cache, keep.meta.for_group(group))
 
     def _fused_prologue(self, q, k, v, cos_sin, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor | None:
         """q/k norms, RoPE and the K/V write as one C call (kvserve/kernels/rope_cache.c) for fp32

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from kvserve import kernels
-from kvserve.model.attention import AttentionMetadata, KVCache
+from kvserve.model.attention import AttentionMetadata, KeptRows, KVCache
 from kvserve.model.config import ModelConfig
 from kvserve.model.decode_plan import DecodePlan, plan_for
 from kvserve.model.greedy_head import GreedyHead
@@ -57,20 +57,35 @@ class CausalLM(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         num_layers: int | None = None,
+        keep: KeptRows | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states [T, hidden] (normed).
+        """input_ids, positions [T] -> final hidden states [T, hidden] (normed), or with `keep`
+        those of the kept rows, [N, hidden].
 
-        `num_layers` < all: early exit (the final norm applies to that layer's output)."""
+        `num_layers` < all: early exit (the final norm applies to that layer's output).
+        `keep`: the last layer run writes K/V for every row and computes the rest for the kept
+        rows only (a layer class with `takes_kept_rows`; others run whole and the rows are picked
+        after)."""
         h = self.embed(input_ids)
         cos_sin = {t: rot.cos_sin(positions, h.dtype) for t, rot in self.rotary.items()}
-        if num_layers is None and DecodePlan.applies(h, meta):  # one decode row: the layers in one C call
+        if num_layers is None and keep is None and DecodePlan.applies(h, meta):  # one decode row: one C call
             plan = plan_for(self, kv_cache)
             out = None if plan is None else plan.run(h, cos_sin, meta)
             if out is not None:
                 return self.norm(out)
-        for i, layer in enumerate(self.layers[:num_layers]):
-            h = layer(h, cos_sin[self.config.layer_types[i]], kv_cache, meta)
-        return self.norm(h)
+        layers = self.layers[:num_layers]
+        for i, layer in enumerate(layers):
+            cs = cos_sin[self.config.layer_types[i]]
+            if keep is not None and i == len(layers) - 1 and getattr(layer, "takes_kept_rows", False):
+                h = layer(h, cs, kv_cache, meta, keep=keep)
+                if h.shape[0] == 0:
+                    return h
+                keep = None  # done
+            else:
+                h = layer(h, cs, kv_cache, meta)
+        if keep is not None:
+            h = h.index_select(0, keep.rows)
+        return h if h.shape[0] == 0 else self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab], fp32 unless upcast=False (then the model's

@@ -4,13 +4,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvserve.model.attention import Attention, AttentionMetadata, KVCache
+from kvserve.model.attention import Attention, AttentionMetadata, KeptRows, KVCache
 from kvserve.model.base import CausalLM
 from kvserve.model.config import ModelConfig
 from kvserve.model.layers import GatedMLP, RMSNorm
 
 
 class Gemma3DecoderLayer(nn.Module):
+    takes_kept_rows = True  # forward(..., keep=KeptRows): see CausalLM.forward
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         eps = cfg.rms_norm_eps
@@ -21,8 +23,13 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset=True)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset=True)
 
-    def forward(self, h: torch.Tensor, cos_sin, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        a = self.self_attn(self.input_layernorm(h), cos_sin, kv_cache, meta)
+    def forward(self, h: torch.Tensor, cos_sin, kv_cache: KVCache, meta: AttentionMetadata,
+                keep: KeptRows | None = None) -> torch.Tensor:
+        a = self.self_attn(self.input_layernorm(h), cos_sin, kv_cache, meta, keep=keep)
+        if keep is not None:  # past the K/V write, only the kept rows go on
+            if a.shape[0] == 0:
+                return a
+            h = h.index_select(0, keep.rows)
         # h + norm(a), and the pre-feedforward norm of that, in one kernel call
         h, x = self.post_attention_layernorm.add_to(h, a, then=self.pre_feedforward_layernorm)
         m = self.mlp(x)

@@ -5,13 +5,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvserve.model.attention import Attention, AttentionMetadata, KVCache
+from kvserve.model.attention import Attention, AttentionMetadata, KeptRows, KVCache
 from kvserve.model.base import CausalLM
 from kvserve.model.config import ModelConfig
 from kvserve.model.layers import GatedMLP, RMSNorm
 
 
 class LlamaDecoderLayer(nn.Module):
+    takes_kept_rows = True  # forward(..., keep=KeptRows): see CausalLM.forward
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.self_attn = Attention(cfg, layer, gemma_norm=False)
@@ -19,8 +21,14 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, cos_sin, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos_sin, kv_cache, meta)
+    def forward(self, h: torch.Tensor, cos_sin, kv_cache: KVCache, meta: AttentionMetadata,
+                keep: KeptRows | None = None) -> torch.Tensor:
+        a = self.self_attn(self.input_layernorm(h), cos_sin, kv_cache, meta, keep=keep)
+        if keep is not None:  # past the K/V write, only the kept rows go on
+            if a.shape[0] == 0:
+                return a
+            h = h.index_select(0, keep.rows)
+        h = h + a
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
