@@ -355,6 +355,13 @@ class Attention(nn.Module):
             kv_cache.write(self.layer, meta.for_group(group).slot_mapping, apply_rope(k, cos, sin), v)
         return self._attend_kept(q, kv_cache, meta, group, keep, x.shape[1])
 
+    def with_residual(self, x: torch.Tensor, h: torch.Tensor, cos_sin, kv_cache: KVCache, meta: AttentionMetadata,
+                      keep: KeptRows | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decoder layer's attention step: (attention of x, the residual rows of h it adds to),
+        both [T, hidden], or with `keep` the kept rows' [N, hidden]."""
+        a = self(x, cos_sin, kv_cache, meta, keep=keep)
+        return a, (h if keep is None else h.index_select(0, keep.rows))
+
     def _attend_kept(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, group: int,
                      keep: KeptRows | None, hidden: int) -> torch.Tensor:
         """Rotated q [T, H, D] (K/V written) -> [T, hidden], or with `keep` the kept rows' [N, hidden]."""

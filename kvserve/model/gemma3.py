@@ -25,11 +25,9 @@ class Gemma3DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, cos_sin, kv_cache: KVCache, meta: AttentionMetadata,
                 keep: KeptRows | None = None) -> torch.Tensor:
-        a = self.self_attn(self.input_layernorm(h), cos_sin, kv_cache, meta, keep=keep)
-        if keep is not None:  # past the K/V write, only the kept rows go on
-            if a.shape[0] == 0:
-                return a
-            h = h.index_select(0, keep.rows)
+        a, h = self.self_attn.with_residual(self.input_layernorm(h), h, cos_sin, kv_cache, meta, keep)
+        if a.shape[0] == 0:  # no kept rows: the K/V write was all
+            return a
         # h + norm(a), and the pre-feedforward norm of that, in one kernel call
         h, x = self.post_attention_layernorm.add_to(h, a, then=self.pre_feedforward_layernorm)
         m = self.mlp(x)
