@@ -35,6 +35,10 @@ def _add_weights_arg(p: argparse.ArgumentParser) -> None:
                    help="CPU fp32: do not keep the packed copy of the weights for decode steps nor the int8 screen "
                         "of the LM head for greedy tokens (saves one copy of the fp32 weights and a quarter of the "
                         "head in memory; decode steps get slower)")
+    p.add_argument("--compile", action="store_true",
+                   help="float weights: run every full forward pass through torch.compile (inductor; attention stays "
+                        "kvserve's, one opaque op per layer) instead of the packed-weight C kernels; the first step "
+                        "of each shape pays the compile (about a minute on 2 cores)")
 
 
 def _add_speculative_args(p: argparse.ArgumentParser) -> None:
@@ -59,7 +63,8 @@ def decoding_config(args: argparse.Namespace) -> dict:
                 self_draft_layers=args.self_draft_layers, self_draft_dtype=args.self_draft_dtype,
                 self_draft_bits=args.self_draft_bits,
                 attention_sinks=args.attention_sinks, streaming_window=args.streaming_window,
-                kv_cache_dtype=args.kv_cache_dtype, weights=args.weights, pack_weights=args.pack_weights)
+                kv_cache_dtype=args.kv_cache_dtype, weights=args.weights, pack_weights=args.pack_weights,
+                compile=args.compile)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

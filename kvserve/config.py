@@ -46,6 +46,11 @@ class EngineConfig:
     # copy of the fp32 weights in memory. A model handed in as `loaded` gets its copies too. The
     # packed head also gets an int8 screen for greedy steps (kvserve/model/greedy_head.py).
     pack_weights: bool = True
+    # Every full forward pass through torch.compile (inductor), dynamic in the token count, with
+    # each layer's K/V write and paged attention one opaque op (kvserve/model/compiled.py). The
+    # body's matmuls are then PyTorch's (of the packed copies only the LM head's is kept); the
+    # first step of each shape class (one token, several) pays the compile. Float weights only.
+    compile: bool = False
     # Sliding-window layers give back the KV blocks that fall wholly out of their window (one
     # block table per layer group, see kvserve/model/config.py `kv_layer_groups`). False = every
     # layer keeps every block (one table), the behaviour before; also off without a KV cache
@@ -92,7 +97,8 @@ class EngineConfig:
             self.kv_cache_gib = _default_kv_cache_gib()
         if isinstance(self.kv_cache_gib, bool) or not isinstance(self.kv_cache_gib, (int, float)) or not self.kv_cache_gib > 0:
             raise ValueError(f"kv_cache_gib must be a positive number, got {self.kv_cache_gib!r}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "use_kv_cache", "sliding_window_release"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "use_kv_cache", "sliding_window_release",
+                     "pack_weights", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         from kvserve.model.attention import KV_CACHE_DTYPES  # validation only
@@ -112,6 +118,9 @@ class EngineConfig:
             raise ValueError(f"weights must be one of {WEIGHTS}, got {self.weights!r}")
         if self.weights == "float":
             return
+        if self.compile:
+            raise ValueError(f"compile covers float weights; weights {self.weights!r} run on kvserve's C int kernels "
+                             f"(drop compile, or use weights='float')")
         if str(self.device).split(":")[0] != "cpu":
             raise ValueError(f"weights {self.weights!r} run on PyTorch's CPU int8 / int4 kernels: device must be "
                              f"'cpu', got {self.device!r}")

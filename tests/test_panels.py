@@ -139,7 +139,7 @@ def test_cli_no_pack_weights_flag(tmp_path, monkeypatch):
 
     make_model("llama", tmp_path / "llama")
     packed = []
-    monkeypatch.setattr(llm_engine, "use_panel_kernels", lambda model: packed.append(model) or 0)
+    monkeypatch.setattr(llm_engine, "use_panel_kernels", lambda model, head_only=False: packed.append(model) or 0)
     base = ["generate", "--model", str(tmp_path / "llama"), "--max-tokens", "2", "--ignore-eos", "--kv-cache-gib",
             "0.05", "--quiet-metrics", "hello"]
     assert main(base[:1] + ["--no-pack-weights"] + base[1:]) == 0 and packed == []

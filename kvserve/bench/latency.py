@@ -34,6 +34,7 @@ class LatencyResult:
     bound_tok_s: float  # bandwidth / bytes_per_token
     fraction_of_bound: float  # decode_tok_s / bound_tok_s
     runs: list[dict]
+    warmup_s: float = 0.0  # the first (untimed) request: kernels loaded, the graph compiled under compile
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -71,19 +72,23 @@ def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:
 
 
 def measure(loaded, input_len: int, output_len: int, repeats: int, seed: int = 0,
-            bandwidth_gib: float = 1.0, weights: str = "float", pack_weights: bool = True) -> LatencyResult:
-    """`weights`, `pack_weights`: EngineConfig's; bytes per token count the weights the engine really holds."""
+            bandwidth_gib: float = 1.0, weights: str = "float", pack_weights: bool = True,
+            compile: bool = False) -> LatencyResult:
+    """`weights`, `pack_weights`, `compile`: EngineConfig's; bytes per token count the weights the
+    engine really holds."""
     from kvserve import LLM, SamplingParams
     from kvserve.bench.throughput import make_workload
 
     cfg = loaded.config
     llm = LLM(loaded=loaded, enable_prefix_caching=False, max_num_seqs=1,
               max_model_len=min(cfg.max_position_embeddings, input_len + output_len + 16), weights=weights,
-              pack_weights=pack_weights)
+              pack_weights=pack_weights, compile=compile)
     loaded = llm.engine.loaded  # the quantized copy when weights is int8 / int4
     # repeats + 1 distinct prompts (the first warms up), the throughput benchmark's token ids.
     prompts = make_workload(repeats + 1, (input_len, input_len), (1, 1), cfg.vocab_size, cfg.bos_token_id, seed).prompts
+    t = time.perf_counter()  # a prompt and a decode step: each shape class of a compiled graph
     llm.generate(prompts[0][:16], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    warmup = time.perf_counter() - t
     runs = []
     for ids in prompts[1:]:
         out = llm.generate(ids, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))[0]
@@ -97,8 +102,9 @@ def measure(loaded, input_len: int, output_len: int, repeats: int, seed: int = 0
     bound = bw * 1e9 / bpt
     dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
     dtype = dtype if weights == "float" else f"{weights} weights, {dtype}"
+    dtype += ", torch.compile" if compile else ""
     return LatencyResult(dtype, input_len, output_len, ttft, input_len / ttft, decode, bpt, bw, bound,
-                         decode / bound, runs)
+                         decode / bound, runs, warmup)
 
 
 def print_result(r: LatencyResult) -> None:
@@ -112,6 +118,7 @@ def print_result(r: LatencyResult) -> None:
     print(f"| measured read bandwidth | {r.bandwidth_gbs:.1f} GB/s |")
     print(f"| bandwidth bound | {r.bound_tok_s:.1f} tok/s |")
     print(f"| achieved fraction of the bound | {r.fraction_of_bound:.0%} |")
+    print(f"| warm-up (first request, untimed) | {r.warmup_s:.1f} s |")
 
 
 def main(args) -> int:
@@ -119,7 +126,7 @@ def main(args) -> int:
 
     loaded = load_model(args.model, args.dtype)
     result = measure(loaded, args.input_len, args.output_len, args.repeats, args.seed, weights=args.weights,
-                     pack_weights=args.pack_weights)
+                     pack_weights=args.pack_weights, compile=args.compile)
     print_result(result)
     if args.json:
         path = Path(args.json)

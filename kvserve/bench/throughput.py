@@ -63,7 +63,10 @@ def run_kvserve(loaded, wl: Workload, **engine_args) -> Result:
 
     llm = LLM(loaded=loaded, **engine_args)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
+    t = time.perf_counter()
     llm.generate(wl.prompts[:2], [SamplingParams(temperature=0, max_tokens=2)] * 2)  # warm-up
+    llm.generate(wl.prompts[:1], SamplingParams(temperature=0, max_tokens=2))  # and a one-row step (compile)
+    warmup = time.perf_counter() - t
     llm.engine.block_manager.reset_prefix_cache()
     peak = {"blocks": 0}
     engine = llm.engine
@@ -88,7 +91,7 @@ def run_kvserve(loaded, wl: Workload, **engine_args) -> Result:
     return Result("kvserve", setting, dt, produced / dt, (produced + wl.input_tokens) / dt, len(outs) / dt,
                   {"peak_kv_blocks": peak["blocks"], "kv_blocks_total": engine.num_blocks,
                    "num_preemptions": stats["num_preemptions"],
-                   "mean_ttft_s": sum(o.metrics.ttft for o in outs) / len(outs)})
+                   "mean_ttft_s": sum(o.metrics.ttft for o in outs) / len(outs), "warmup_s": warmup})
 
 
 def run_hf(model_path: Path, wl: Workload, batch_size: int, dtype: torch.dtype, pad_id: int) -> Result:
@@ -183,7 +186,8 @@ def main(args) -> int:
                        cfg.bos_token_id, args.seed)
     results: list[Result] = []
     engine_args = dict(kv_cache_gib=args.kv_cache_gib, max_num_batched_tokens=args.max_num_batched_tokens,
-                       enable_prefix_caching=False, weights=args.weights, pack_weights=args.pack_weights)
+                       enable_prefix_caching=False, weights=args.weights, pack_weights=args.pack_weights,
+                       compile=args.compile)
     for n in args.max_num_seqs:
         r = run_kvserve(loaded, wl, max_num_seqs=n, **engine_args)
         r.extra["max_num_seqs"] = n

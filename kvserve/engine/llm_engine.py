@@ -66,7 +66,7 @@ class LLMEngine:
             torch.set_num_threads(cfg.num_threads)
         self.loaded = self._low_bit_weights(loaded or load_model(cfg.model, cfg.dtype, cfg.device),
                                             owned=loaded is None)
-        self._pack_weights(self.loaded.model, "model")
+        self._pack_weights(self.loaded.model, "model", head_only=cfg.compile)
         self.model_config = mc = self.loaded.model.config
         self.tokenizer = self.loaded.tokenizer
         self._check_mla()
@@ -85,7 +85,7 @@ class LLMEngine:
                                 kv_dtype, cfg.device, layer_groups=[g.layers for g in self.layer_groups],
                                 kv_dtype=cfg.kv_cache_dtype, v_head_dim=v_dim, kv_source=mc.kv_source)
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, cfg.block_size, cfg.device,
-                                  stream_policies=self.stream_policies)
+                                  stream_policies=self.stream_policies, compile=cfg.compile)
         self.block_manager = BlockManager(self.num_blocks, cfg.block_size,
                                           enable_prefix_caching=cfg.enable_prefix_caching and cfg.use_kv_cache,
                                           group_windows=[g.window for g in self.layer_groups],
@@ -106,14 +106,14 @@ class LLMEngine:
         self._request_ids = itertools.count()
         self.clock = time.perf_counter  # the one monotonic clock for every timestamp
 
-    def _pack_weights(self, model: torch.nn.Module, what: str) -> None:
+    def _pack_weights(self, model: torch.nn.Module, what: str, head_only: bool = False) -> None:
         """EngineConfig.pack_weights: fp32 weights on the CPU also packed for decode steps
-        (kvserve/model/panels.py)."""
+        (kvserve/model/panels.py); `head_only` (compile): the LM head alone."""
         cfg = self.config
         if not cfg.pack_weights or cfg.device != "cpu" or next(model.parameters()).dtype != torch.float32:
             return
         t = time.perf_counter()
-        n = use_panel_kernels(model)
+        n = use_panel_kernels(model, head_only=head_only)
         if n:
             log.info("%s: %d weight matrices packed for decode steps in %.1f s", what, n, time.perf_counter() - t)
 

@@ -33,10 +33,12 @@ class StepInput:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: KVCache, block_size: int, device: torch.device | str = "cpu",
-                 stream_policies: list[StreamPolicy] | None = None):
+                 stream_policies: list[StreamPolicy] | None = None, compile: bool = False):
         """`stream_policies`: StreamingLLM, one policy per layer (None: the model's own
         attention). Then the pool holds pre-RoPE keys and every sequence, decodes included,
-        gets a per-sequence attention view (see kvserve/model/streaming.py)."""
+        gets a per-sequence attention view (see kvserve/model/streaming.py). `compile`: full
+        forward passes through torch.compile (EngineConfig.compile; the model is not changed,
+        so engines sharing it may differ)."""
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
@@ -47,6 +49,7 @@ class ModelRunner:
         # The last layer past its K/V write for the logit rows only (KeptRows); off: every row,
         # the rows picked after the final norm (the same numbers; kept for tests and A/B runs).
         self.keep_logit_rows = True
+        self.compiled = model.compile_step() if compile else None
 
     def _ctx_slots(self, block_table: Seq[int], ctx_len: int) -> torch.Tensor:
         """Slot of each logical position [ctx_len]: block_table[p // bs] * bs + p % bs.
@@ -156,7 +159,10 @@ class ModelRunner:
         if self.stream_policies is not None:  # StreamingLLM owns pool writes and rotation
             meta.custom = PagedStreamingAttention(self.kv_cache, meta, positions, self.stream_policies, self._rotary)
         keep = self._kept_rows(inputs, meta, logit_rows, input_ids.shape[0]) if self.keep_logit_rows else None
-        hidden = self.model(input_ids, positions, self.kv_cache, meta, num_layers=num_layers, keep=keep)
+        if self.compiled is not None and num_layers is None and meta.custom is None:
+            hidden = self.model.run_compiled(self.compiled, input_ids, positions, self.kv_cache, meta, keep)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_cache, meta, num_layers=num_layers, keep=keep)
         return hidden if keep is not None else hidden.index_select(0, logit_rows)
 
     def _kept_rows(self, inputs: Seq[StepInput], meta: AttentionMetadata, logit_rows: torch.Tensor,

@@ -105,15 +105,24 @@ _SIGNATURES: dict[str, dict[str, tuple[list, object]]] = {
 }
 
 
-@lru_cache(maxsize=None)
 def kernel_lib(source: str) -> ctypes.CDLL | None:
-    """kernels/<source>.c compiled, loaded and its functions typed (see _SIGNATURES), or None."""
+    """kernels/<source>.c compiled, loaded and its functions typed (see _SIGNATURES), or None;
+    None also while torch.compile traces (kvserve/model/compiled.py): the graph gets the torch
+    ops each wrapper falls back to, as dynamo cannot trace a ctypes call."""
+    return None if torch.compiler.is_compiling() else _typed_lib(source)
+
+
+@lru_cache(maxsize=None)
+def _typed_lib(source: str) -> ctypes.CDLL | None:
     lib = _load(source)
     if lib is not None:
         for name, (args, res) in _SIGNATURES[source].items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, res
     return lib
+
+
+kernel_lib.cache_clear = _typed_lib.cache_clear  # reload after KVSERVE_NO_KERNELS changes (tests)
 
 
 def kernel_address(source: str, name: str) -> int | None:

@@ -328,6 +328,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; with `keep`, K/V of all T rows are written and the
         output is that of the kept rows only, [N, hidden]."""
+        if torch.compiler.is_compiling():  # EngineConfig.compile: kvserve/model/compiled.py
+            return self._traced_forward(x, cos_sin)
         T = x.shape[0]
         q, k, v = self._project(x)
         if meta.custom is None:
@@ -354,6 +356,25 @@ class Attention(nn.Module):
         if self.computes_kv:  # a reusing layer reads its source's pages, written earlier in this pass
             kv_cache.write(self.layer, meta.for_group(group).slot_mapping, apply_rope(k, cos, sin), v)
         return self._attend_kept(q, kv_cache, meta, group, keep, x.shape[1])
+
+    def _traced_forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """What dynamo traces of forward (every row, no custom hook): projections, q/k norms
+        and RoPE as torch ops, then the step's K/V write and attention as one opaque op."""
+        q, k, v = self._project(x)
+        cos, sin = cos_sin
+        q = apply_rope(self.q_norm(q) if self.q_norm is not None else q, cos, sin)
+        if k is not None:
+            k = apply_rope(self.k_norm(k) if self.k_norm is not None else k, cos, sin)
+        return self.o_proj(torch.ops.kvserve.step_attention(q, k, v, self.layer))
+
+    def attend_written(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_cache: KVCache,
+                       meta: AttentionMetadata) -> torch.Tensor:
+        """Eager half of `_traced_forward`: write rotated k and v [T, KVH, D] (None: a layer
+        reusing its source's K/V) at the step's slots, attend with q [T, H, D] -> [T, H * D]."""
+        group_meta = meta.for_group(kv_cache.group_of(self.kv_source))
+        if self.computes_kv:
+            kv_cache.write(self.layer, group_meta.slot_mapping, k, v)
+        return self._attention(q, kv_cache, group_meta)
 
     def with_residual(self, x: torch.Tensor, h: torch.Tensor, cos_sin, kv_cache: KVCache, meta: AttentionMetadata,
                       keep: KeptRows | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -391,13 +412,17 @@ class Attention(nn.Module):
     def _attend_all(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """Rotated q [T, H, D] against the pool (this step's K/V already written) -> o_proj'd
         output [T, hidden]."""
+        return self.o_proj(self._attention(q, kv_cache, meta))
+
+    def _attention(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """Rotated q [T, H, D] against the pool (this step's K/V already written) -> [T, H * D]."""
         T = q.shape[0]
         # No multi-token sequences: the runner made every row a decode row, in input order, so q
         # goes to the kernel as it is, without a gather and scatter of rows.
         if meta.decode is not None and not meta.seqs and meta.decode.rows.shape[0] == T:
             out = self._decode_kernel(q, kv_cache, meta.decode)
             if out is not None:
-                return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+                return out.reshape(T, self.num_heads * self.head_dim)
         out = torch.empty_like(q)
         if meta.decode is not None:
             self._decode(q, kv_cache, meta.decode, out)
@@ -409,7 +434,7 @@ class Attention(nn.Module):
             ks, vs = kv_cache.read(self.kv_source, slots)
             ks, vs = ks.transpose(0, 1).to(q.dtype), vs.transpose(0, 1).to(q.dtype)  # [KVH, n_kv, D]
             out[rows] = self._attend(q[rows], ks, vs, mask)
-        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+        return out.reshape(T, self.num_heads * self.head_dim)
 
     def _prefill_kernel(self, q: torch.Tensor, kv_cache: KVCache, s: SeqAttention, out: torch.Tensor) -> bool:
         """One sequence's queries q [q_len, H, D] through the C kernel, which reads its K/V from

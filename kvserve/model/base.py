@@ -87,6 +87,34 @@ class CausalLM(nn.Module):
             h = h.index_select(0, keep.rows)
         return h if h.shape[0] == 0 else self.norm(h)
 
+    def compile_step(self, **options):
+        """`step_graph` through torch.compile, dynamic in the token count (kvserve/model/compiled.py);
+        `options` go to torch.compile. Run it with `run_compiled`. The graph is built on the first
+        step of each shape class (one token, several): that step pays the warm-up."""
+        from kvserve.model.compiled import check_compilable
+
+        check_compilable(self)
+        return torch.compile(self.step_graph, dynamic=True, **options)
+
+    def step_graph(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """What torch.compile traces: input_ids, positions [T] -> final hidden states [T, hidden]
+        (normed), every layer's attention an opaque op reading the step context."""
+        h = self.embed(input_ids)
+        cos_sin = {t: rot.cos_sin(positions, h.dtype) for t, rot in self.rotary.items()}
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos_sin[self.config.layer_types[i]], None, None)
+        return self.norm(h)
+
+    def run_compiled(self, compiled, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+                     meta: AttentionMetadata, keep: KeptRows | None = None) -> torch.Tensor:
+        """forward (every layer, no custom attention hook) through `compiled` (compile_step's)."""
+        from kvserve.model.compiled import step_context
+
+        with step_context({i: layer.self_attn for i, layer in enumerate(self.layers)}, kv_cache, meta):
+            h = compiled(input_ids, positions)
+        # Every row ran (the graph has no kept-row form); the norm is per row, so picking after is equal.
+        return h if keep is None else h.index_select(0, keep.rows)
+
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab], fp32 unless upcast=False (then the model's
         dtype: a greedy-only bf16 batch picks its tokens without the ~20 ms fp32 copy of

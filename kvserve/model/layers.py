@@ -72,7 +72,7 @@ class RMSNorm(nn.Module):
     def _offset_gain(self) -> torch.Tensor:
         """1 + w in fp32, cached while the weight is unchanged and no gradient flows to it."""
         w = self.weight
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():  # (a traced graph folds it in)
             return 1.0 + w.float()
         key = (w.data_ptr(), w._version, w.dtype, w.device)
         if self._gain is None or self._gain[0] != key:

@@ -67,6 +67,8 @@ class Panels:
         """x [..., K] @ the stacked weights^T (+ bias) -> [..., sum N_i]; None where the kernel does
         not apply (more than MAX_PANEL_ROWS rows, another dtype or device, autograd) and PyTorch's
         matmul should."""
+        if torch.compiler.is_compiling():  # the traced graph multiplies with the Linear's own weight
+            return None
         k = self.weights[0].shape[1]
         rows = x.numel() // k if k else 0
         if (not 0 < rows <= MAX_PANEL_ROWS or x.dtype != torch.float32 or x.device.type != "cpu"
@@ -107,13 +109,15 @@ def fused_panels(current: Panels | None, *linears: nn.Module) -> Panels | None:
     return panels
 
 
-def use_panel_kernels(model: nn.Module) -> int:
+def use_panel_kernels(model: nn.Module, head_only: bool = False) -> int:
     """Pack every fp32 CPU nn.Linear of `model` (turned into PanelLinear in place: same
     parameters, same state_dict) and a tied LM head (`model.head_panels`, used by
     `compute_logits`), and gives the packed head its greedy screen (`model.greedy_head`). Returns
-    how many matrices were packed: 0 without the kernel."""
+    how many matrices were packed: 0 without the kernel. `head_only`: the LM head alone (a
+    compiled forward pass multiplies the body's weights with PyTorch's matmul)."""
     count = 0
-    for m in model.modules():
+    head = getattr(model, "lm_head", None)
+    for m in ([head] if head is not None else []) if head_only else model.modules():
         if type(m) is PanelLinear:
             count += 1
         elif type(m) is nn.Linear:
@@ -124,7 +128,7 @@ def use_panel_kernels(model: nn.Module) -> int:
             m.panels = panels
             count += 1
     # q/k/v and gate/up as one call each: the k and v matrices alone are too small to stream fast.
-    for m in model.modules():
+    for m in () if head_only else model.modules():
         fuse = getattr(m, "fuse_panels", None)
         if fuse is not None:
             fuse()
