@@ -55,6 +55,16 @@ def test_compiled_forward_equals_eager(tiny, kind, attention_calls):
     _same_outputs([compiled.generate(p, GREEDY)[0] for p in PROMPTS], [eager.generate(p, GREEDY)[0] for p in PROMPTS])
 
 
+def test_step_graph_run_eagerly_computes_the_same(tiny, attention_calls):
+    # What runs if dynamo falls back (recompile limit, an untraceable op): the graph's Python.
+    args = dict(model=str(tiny / "gemma3"), kv_cache_gib=0.05, max_num_batched_tokens=24)
+    want = LLM(**args).generate(PROMPTS, GREEDY)
+    fallback = LLM(**args, compile=True)
+    fallback.engine.runner.compiled = fallback.engine.loaded.model.step_graph
+    _same_outputs(fallback.generate(PROMPTS, GREEDY), want)
+    assert attention_calls
+
+
 def test_compiled_speculative_verification_keeps_the_tokens(tiny):
     args = dict(model=str(tiny / "llama"), kv_cache_gib=0.05, speculative="ngram", num_speculative_tokens=3)
     repetitive = [[1, 7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8], [1, 20, 21, 20, 21, 20, 21]]

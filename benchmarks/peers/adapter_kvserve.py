@@ -6,7 +6,8 @@ mean gap between output tokens), as `kvserve bench latency` reports them; the of
 
 One adapter, several engines (`adapter_kvserve.py SPEC OUT ENGINE`): the spec's ENGINE section
 gives the options; `weights` there ("int8", "int4") goes to every LLM built, which quantizes its
-copy of the fp32 model at construction (PyTorch's CPU int8 / int4 kernels).
+copy of the fp32 model at construction (PyTorch's CPU int8 / int4 kernels); `compile` (true)
+runs the forward pass through torch.compile (its compile happens in the warm-up runs).
 """
 from __future__ import annotations
 
@@ -29,10 +30,12 @@ class KvserveEngine:
         self.loaded = load_model(spec.get("model"), opts.get("dtype", "float32"))
         weights: str | None = opts.get("weights")  # None: the engine's default (float)
         self.dtype = weights or str(next(self.loaded.model.parameters()).dtype).removeprefix("torch.")
+        self.dtype += ", torch.compile" if opts.get("compile") else ""
         self.max_num_seqs: list[int] = opts.get("max_num_seqs", [64])
         self.engine_args = dict(enable_prefix_caching=False,
                                 max_num_batched_tokens=opts.get("max_num_batched_tokens", 2048),
-                                kv_cache_gib=opts.get("kv_cache_gib"), **({"weights": weights} if weights else {}))
+                                kv_cache_gib=opts.get("kv_cache_gib"), **({"weights": weights} if weights else {}),
+                                **({"compile": True} if opts.get("compile") else {}))
         cfg = self.loaded.config
         t = time.perf_counter()
         self.llm = LLM(loaded=self.loaded, max_num_seqs=1,

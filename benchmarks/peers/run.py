@@ -38,7 +38,8 @@ from _common import LLAMACPP_KV_MODES, RESULT_PREFIX
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 KVSERVE_WEIGHTS = ["int8", "int4"]  # kvserve-<w>: the kvserve engine with RTN-quantized weights (EngineConfig.weights)
-KVSERVE_ENGINES = ["kvserve", *(f"kvserve-{w}" for w in KVSERVE_WEIGHTS)]  # one adapter, a spec section each
+# kvserve-compile: fp32 through torch.compile (EngineConfig.compile), the optional item of issue 9.
+KVSERVE_ENGINES = ["kvserve", *(f"kvserve-{w}" for w in KVSERVE_WEIGHTS), "kvserve-compile"]  # one adapter, a spec section each
 ALL_ENGINES = [*KVSERVE_ENGINES, "hf", "llamacpp", "vllm"]
 # Batch-1 decode tok/s: (engine, peer, minimum engine / peer), the low-bit engines' targets.
 ACCEPTANCE = [("kvserve-int4", "llamacpp", 1.0), ("kvserve-int8", "hf", 4.0)]
@@ -168,8 +169,10 @@ def build_spec(args: argparse.Namespace) -> dict:
 
 
 def _kvserve_sections(opts: dict) -> dict[str, dict]:
-    """The spec sections of kvserve and its low-bit variants (same options plus `weights`)."""
-    return {"kvserve": opts, **{f"kvserve-{w}": dict(opts, weights=w) for w in KVSERVE_WEIGHTS}}
+    """The spec sections of kvserve, its low-bit variants (same options plus `weights`) and its
+    torch.compile variant (plus `compile`)."""
+    return {"kvserve": opts, **{f"kvserve-{w}": dict(opts, weights=w) for w in KVSERVE_WEIGHTS},
+            "kvserve-compile": dict(opts, compile=True)}
 
 
 def _ints(s: str) -> list[int]:

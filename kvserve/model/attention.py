@@ -328,7 +328,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; with `keep`, K/V of all T rows are written and the
         output is that of the kept rows only, [N, hidden]."""
-        if torch.compiler.is_compiling():  # EngineConfig.compile: kvserve/model/compiled.py
+        if meta is None:  # CausalLM.step_graph (EngineConfig.compile): the op reads the step context
             return self._traced_forward(x, cos_sin)
         T = x.shape[0]
         q, k, v = self._project(x)
@@ -358,8 +358,9 @@ class Attention(nn.Module):
         return self._attend_kept(q, kv_cache, meta, group, keep, x.shape[1])
 
     def _traced_forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """What dynamo traces of forward (every row, no custom hook): projections, q/k norms
-        and RoPE as torch ops, then the step's K/V write and attention as one opaque op."""
+        """forward inside `CausalLM.step_graph`, what dynamo traces (every row, no custom hook):
+        projections, q/k norms and RoPE as torch ops, then the step's K/V write and attention as
+        one opaque op. Run eagerly (dynamo fell back) it computes the same."""
         q, k, v = self._project(x)
         cos, sin = cos_sin
         q = apply_rope(self.q_norm(q) if self.q_norm is not None else q, cos, sin)

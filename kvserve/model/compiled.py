@@ -4,8 +4,9 @@ Dynamo traces embedding, norms, projections, RoPE and MLPs of every layer into o
 dynamic token count (inductor fuses the elementwise work around PyTorch's matmuls); the part that
 depends on the step's paged metadata, the K/V write and attention over the pool, is one opaque
 op per layer (`kvserve::step_attention`) that runs eagerly with the step's KVCache and
-AttentionMetadata, handed over by `StepContext` rather than as graph inputs, so that block
-tables and sequence lists never become guards or recompiles.
+AttentionMetadata, handed over by `step_context` rather than as graph inputs, so that block
+tables and sequence lists never become guards or recompiles. Should dynamo give up on the graph
+(a recompile limit, say) and run `step_graph` eagerly, the same op and context serve that too.
 
 Inside the graph kvserve's ctypes kernels stand aside (`kernels.kernel_lib` gives None while
 dynamo traces) and the torch ops they replace are traced instead; the attention op itself still
