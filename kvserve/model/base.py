@@ -110,7 +110,7 @@ class CausalLM(nn.Module):
         """forward (every layer, no custom attention hook) through `compiled` (compile_step's)."""
         from kvserve.model.compiled import step_context
 
-        with step_context({i: layer.self_attn for i, layer in enumerate(self.layers)}, kv_cache, meta):
+        with step_context(self, kv_cache, meta):
             h = compiled(input_ids, positions)
         # Every row ran (the graph has no kept-row form); the norm is per row, so picking after is equal.
         return h if keep is None else h.index_select(0, keep.rows)

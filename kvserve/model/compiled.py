@@ -26,7 +26,7 @@ from kvserve.model.attention import Attention, AttentionMetadata, KVCache
 
 @dataclass
 class _Step:
-    attention: dict[int, Attention]  # layer index -> its attention module
+    model: nn.Module  # its layers[i].self_attn is layer i's Attention (check_compilable)
     kv_cache: KVCache
     meta: AttentionMetadata
 
@@ -35,9 +35,9 @@ _CURRENT: list[_Step] = []  # a stack: a draft model's step may run inside a tar
 
 
 @contextmanager
-def step_context(attention: dict[int, Attention], kv_cache: KVCache, meta: AttentionMetadata) -> Iterator[None]:
+def step_context(model: nn.Module, kv_cache: KVCache, meta: AttentionMetadata) -> Iterator[None]:
     """What `kvserve::step_attention` reads while the compiled graph of one step runs."""
-    _CURRENT.append(_Step(attention, kv_cache, meta))
+    _CURRENT.append(_Step(model, kv_cache, meta))
     try:
         yield
     finally:
@@ -52,7 +52,7 @@ def step_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | No
     if not _CURRENT:
         raise RuntimeError("kvserve::step_attention ran outside a step (no step_context)")
     step = _CURRENT[-1]
-    return step.attention[layer].attend_written(q, k, v, step.kv_cache, step.meta)
+    return step.model.layers[layer].self_attn.attend_written(q, k, v, step.kv_cache, step.meta)
 
 
 @step_attention.register_fake

@@ -116,8 +116,7 @@ def use_panel_kernels(model: nn.Module, head_only: bool = False) -> int:
     how many matrices were packed: 0 without the kernel. `head_only`: the LM head alone (a
     compiled forward pass multiplies the body's weights with PyTorch's matmul)."""
     count = 0
-    head = getattr(model, "lm_head", None)
-    for m in ([head] if head is not None else []) if head_only else model.modules():
+    for m in [getattr(model, "lm_head", None)] if head_only else model.modules():  # (None: a tied head)
         if type(m) is PanelLinear:
             count += 1
         elif type(m) is nn.Linear:
