@@ -48,6 +48,7 @@ from _common import WIKITEXT, save_json  # noqa: E402
 
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.bench.throughput import make_workload  # noqa: E402
+from kvserve.cli import positive_int  # noqa: E402
 from kvserve.loading import load_model  # noqa: E402
 
 
@@ -76,10 +77,16 @@ class Report:
         return all(c.verdict != "mismatch" for c in self.single + self.batched)
 
 
+class InputError(Exception):
+    """A bad argument or input file, said in words (exit status 2)."""
+
+
 def text_prompts(tokenizer, path: Path, n: int, tokens: int) -> list[list[int]]:
     """n prompts of `tokens` token ids each, from consecutive stretches of a text file."""
     text = path.read_text(encoding="utf-8")
     ids = tokenizer.encode(text[: 400 * tokens * n])
+    if len(ids) < n * tokens:
+        raise InputError(f"--text {path}: {len(ids)} tokens, fewer than --prompts x --prompt-tokens = {n * tokens}")
     return [ids[i * tokens:(i + 1) * tokens] for i in range(n)]
 
 
@@ -176,13 +183,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: the bundled Gemma 3 270M)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--text", type=Path, default=WIKITEXT / "wiki.test.raw", help="where the prompts come from")
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--prompt-tokens", type=int, default=64)
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompts", type=positive_int, default=8)
+    p.add_argument("--prompt-tokens", type=positive_int, default=64)
+    p.add_argument("--max-tokens", type=positive_int, default=64)
     p.add_argument("--tie-margin", type=float, default=1e-2,
                    help="log-prob margin under which parting tokens count as a near-tie (default 0.01)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--offline-requests", type=int, default=64)
+    p.add_argument("--repeats", type=positive_int, default=3)
+    p.add_argument("--offline-requests", type=positive_int, default=64)
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
     p.add_argument("--skip-speed", action="store_true", help="the greedy checks only")
     p.add_argument("--json-dir", default=None)
@@ -198,7 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.text.is_file():
         print(f"cuda_check: --text {args.text}: no such file", file=sys.stderr)
         return 2
-    report = run(args)
+    try:
+        report = run(args)
+    except InputError as e:
+        print(f"cuda_check: {e}", file=sys.stderr)
+        return 2
     print_report(report)
     data = asdict(report)
     data["ok"] = report.ok

@@ -79,3 +79,19 @@ def test_without_cuda_it_says_so(cuda_check, capsys):
 def test_missing_text_file_is_named(cuda_check, tmp_path, capsys):
     assert cuda_check.main(["--device", "cpu", "--text", str(tmp_path / "nope.txt")]) == 2
     assert "nope.txt" in capsys.readouterr().err
+
+
+def test_text_too_short_for_the_prompts_is_named(cuda_check, tiny_gemma, tmp_path, capsys):
+    text = tmp_path / "short.txt"
+    text.write_text("Too short.")
+    rc = cuda_check.main(["--device", "cpu", "--model", str(tiny_gemma), "--text", str(text), "--prompts", "2",
+                          "--prompt-tokens", "12", "--skip-speed", "--kv-cache-gib", "0.05"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert str(text) in err and "--prompts x --prompt-tokens = 24" in err
+
+
+def test_prompt_count_must_be_positive(cuda_check, capsys):
+    with pytest.raises(SystemExit):
+        cuda_check.main(["--device", "cpu", "--prompts", "0"])
+    assert "--prompts" in capsys.readouterr().err
