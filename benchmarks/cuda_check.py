@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import WIKITEXT, save_json  # noqa: E402
 
 from kvserve import LLM, SamplingParams  # noqa: E402
-from kvserve.bench.throughput import make_workload  # noqa: E402
+from kvserve.bench.throughput import INPUT_RANGE, OUTPUT_RANGE, make_workload  # noqa: E402
 from kvserve.cli import positive_int  # noqa: E402
 from kvserve.loading import load_model  # noqa: E402
 
@@ -130,7 +130,7 @@ def speed(llm: LLM, loaded, device: str, repeats: int, requests: int = 64) -> di
         m = llm.generate(ids, params)[0].metrics
         ttft.append(m.ttft)
         decode.append(1 / m.tpot)
-    off = make_workload(requests, (32, 512), (32, 256), cfg.vocab_size, cfg.bos_token_id, 0)
+    off = make_workload(requests, INPUT_RANGE, OUTPUT_RANGE, cfg.vocab_size, cfg.bos_token_id, 0)
     sync(device)
     t = time.perf_counter()
     outs = llm.generate(off.prompts, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)

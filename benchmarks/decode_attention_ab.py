@@ -24,13 +24,13 @@ def main() -> None:
 
     import kvserve.model.attention as attention
     from kvserve import LLM, SamplingParams
-    from kvserve.bench.throughput import make_workload
+    from kvserve.bench.throughput import INPUT_RANGE, OUTPUT_RANGE, make_workload
     from kvserve.loading import load_model
 
     loaded = load_model(None, args.dtype)
     cfg = loaded.config
     # The throughput benchmark's prompts (32-512 tokens): realistic mixed context lengths.
-    wl = make_workload(64, (32, 512), (32, 256), cfg.vocab_size, cfg.bos_token_id, 0)
+    wl = make_workload(64, INPUT_RANGE, OUTPUT_RANGE, cfg.vocab_size, cfg.bos_token_id, 0)
     llm = LLM(loaded=loaded, enable_prefix_caching=False, max_num_seqs=64)
     eng = llm.engine
     kernel = attention.paged_decode_attention

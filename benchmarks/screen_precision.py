@@ -26,6 +26,7 @@ from _common import WIKITEXT, save_json
 
 from kvserve import LLM, SamplingParams
 from kvserve.bench.throughput import make_workload
+from kvserve.cli import positive_int
 from kvserve.loading import load_model
 from kvserve.model.base import CausalLM
 
@@ -79,11 +80,11 @@ def candidates(W: torch.Tensor, H: torch.Tensor, w_levels: int, h_levels: int, e
     return out
 
 
-def progressive_survivors(W: torch.Tensor, H: torch.Tensor, ks: tuple[int, ...]) -> dict:
-    """Per ordering and K: the fraction of tokens per row (median, p90) whose partial dot over the
-    first K dimensions plus |w_rest|_2 |h_rest|_2 reaches the row's best logit."""
+def progressive_survivors(W: torch.Tensor, H: torch.Tensor, order: torch.Tensor, ks: tuple[int, ...]) -> dict:
+    """Per ordering (`order` of the dimensions, or W's right singular vectors) and K: the fraction of
+    tokens per row (median, p90) whose partial dot over the first K dimensions plus
+    |w_rest|_2 |h_rest|_2 reaches the row's best logit."""
     _, _, vh = torch.linalg.svd(W, full_matrices=False)
-    order = H.abs().mean(0).argsort(descending=True)
     out = {}
     for name, w, h in (("mean |h|", W[:, order], H[:, order]), ("singular vectors", W @ vh.T, H @ vh.T)):
         best = (h @ w.T).max(1).values
@@ -96,7 +97,7 @@ def progressive_survivors(W: torch.Tensor, H: torch.Tensor, ks: tuple[int, ...])
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", type=int, default=100, help="rows sampled from the captured ones")
+    p.add_argument("--rows", type=positive_int, default=100, help="rows sampled from the captured ones")
     p.add_argument("--json-dir", default=None)
     args = p.parse_args()
     loaded = load_model(None, "float32")
@@ -108,7 +109,7 @@ def main() -> None:
     schemes = [("int8 w, int16 h (the kernel)", 127, 16383, 0), ("int7 w, int8 h", 63, 127, 0),
                ("int8 w, int7 h", 127, 63, 0), ("int8 w, int7 h, outliers 16", 127, 63, 16),
                ("int8 w, int7 h, outliers 64", 127, 63, 64), ("int7 w, int8 h, outliers 16", 63, 127, 16)]
-    print(f"{H.shape[0]} rows; candidates of 262,144 tokens (median, p90), 16-token panels holding them (median, p90)")
+    print(f"{H.shape[0]} rows; candidates of {W.shape[0]:,} tokens (median, p90), 16-token panels holding them (median, p90)")
     print("| scheme | candidates median | p90 | panels median | p90 |\n|---|---|---|---|---|")
     results = {}
     for name, wl, hl, nout in schemes:
@@ -119,7 +120,7 @@ def main() -> None:
               flush=True)
     print("\nprogressive screen: fraction of tokens left after K dimensions (median, p90)")
     print("| ordering, K | median | p90 |\n|---|---|---|")
-    progressive = progressive_survivors(W, H, (64, 128, 256, 384, 512))
+    progressive = progressive_survivors(W, H, order, (64, 128, 256, 384, 512))
     for key, (med, p90) in progressive.items():
         print(f"| {key} | {med:.4f} | {p90:.4f} |", flush=True)
     save_json("screen_precision", {"rows": H.shape[0], "schemes": results, "progressive": progressive},

@@ -19,8 +19,9 @@ import time
 from _common import machine, save_json
 
 from kvserve import LLM, SamplingParams, kernels
-from kvserve.bench.throughput import make_workload
+from kvserve.bench.throughput import INPUT_RANGE, OUTPUT_RANGE, make_workload
 from kvserve.engine import model_runner
+from kvserve.cli import positive_int
 from kvserve.loading import load_model
 from kvserve.model import attention, decode_plan, layers
 
@@ -44,18 +45,23 @@ def timed(owner, name: str, label=None) -> None:
     setattr(owner, name, wrapper)
 
 
-def panel_bucket(x, packed, n) -> str:
-    what = "head" if n >= 100_000 else "body"
-    rows = x.shape[0]
-    return f"panel_{what}_{'1' if rows == 1 else '2-15' if rows < 16 else '16+'}_rows"
+def panel_bucket(vocab_size: int):
+    """The bucket of a panel matmul: the LM head's (n = vocab_size) or the body's, by rows."""
+    def bucket(x, packed, n) -> str:
+        rows = x.shape[0]
+        what = "head" if n == vocab_size else "body"
+        return f"panel_{what}_{'1' if rows == 1 else '2-15' if rows < 16 else '16+'}_rows"
+    return bucket
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--num-prompts", type=positive_int, default=64)
     p.add_argument("--json-dir", default=None)
     args = p.parse_args()
-    timed(kernels, "panel_matmul", panel_bucket)
+    loaded = load_model(None, "float32")
+    cfg = loaded.config
+    timed(kernels, "panel_matmul", panel_bucket(cfg.vocab_size))
     timed(kernels, "screen_argmax")
     for name in ("norm_rope_write", "prefill_attention", "paged_decode_attention"):
         timed(attention, name)
@@ -65,9 +71,7 @@ def main() -> None:
     timed(model_runner.ModelRunner, "prepare", lambda *a: "runner_prepare")
     timed(model_runner.ModelRunner, "execute_greedy", lambda *a: "runner_total")
 
-    loaded = load_model(None, "float32")
-    cfg = loaded.config
-    wl = make_workload(args.num_prompts, (32, 512), (32, 256), cfg.vocab_size, cfg.bos_token_id, 0)
+    wl = make_workload(args.num_prompts, INPUT_RANGE, OUTPUT_RANGE, cfg.vocab_size, cfg.bos_token_id, 0)
     llm = LLM(loaded=loaded, max_num_seqs=64, enable_prefix_caching=False)
     llm.generate(wl.prompts[:2], [SamplingParams(temperature=0, max_tokens=2)] * 2)  # warm-up
     seconds.clear()

@@ -153,13 +153,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_convert_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    from kvserve.bench.throughput import INPUT_RANGE, OUTPUT_RANGE
+
     tp = bench.add_parser("throughput", help="offline throughput on a random workload (optionally vs HF)")
     tp.add_argument("--model", default=None)
     tp.add_argument("--dtype", default="float32")
     _add_weights_arg(tp)
     tp.add_argument("--num-prompts", type=positive_int, default=64)
-    tp.add_argument("--input-len", type=positive_int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
-    tp.add_argument("--output-len", type=positive_int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
+    tp.add_argument("--input-len", type=positive_int, nargs=2, default=list(INPUT_RANGE), metavar=("MIN", "MAX"))
+    tp.add_argument("--output-len", type=positive_int, nargs=2, default=list(OUTPUT_RANGE), metavar=("MIN", "MAX"))
     tp.add_argument("--seed", type=int, default=0)
     tp.add_argument("--max-num-seqs", type=_int_list, default=[64], help="comma list: a sweep")
     tp.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)

@@ -16,6 +16,11 @@ from pathlib import Path
 
 import torch
 
+# The offline workload (vLLM's "random" dataset style): what `kvserve bench throughput` and the
+# benchmarks that reproduce its run use by default.
+INPUT_RANGE = (32, 512)
+OUTPUT_RANGE = (32, 256)
+
 
 @dataclass
 class Workload:
