@@ -13,6 +13,7 @@
  * AVX-512 (PW 32, MR 12) or AVX2 + FMA (PW 16, MR 6); panel_width() is 0 without either, and the
  * caller keeps PyTorch's matmul.
  */
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -26,6 +27,7 @@ typedef __m512 vec;
 #define VBCAST _mm512_set1_ps
 #define VFMA _mm512_fmadd_ps
 #define VZERO _mm512_setzero_ps
+#define NEXT_PANEL_PREFETCH 1 /* see panel_gemm */
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 typedef __m256 vec;
@@ -36,6 +38,7 @@ typedef __m256 vec;
 #define VBCAST _mm256_set1_ps
 #define VFMA _mm256_fmadd_ps
 #define VZERO _mm256_setzero_ps
+#define NEXT_PANEL_PREFETCH 0
 #endif
 
 #ifdef VW
@@ -55,15 +58,23 @@ void pack_panels(const float *w, float *wp, int N, int K, int threads) {
         }
 }
 
-/* Rows [0, mr) of x against one panel; ncols (<= PW) of the outputs are real. first: the panel's
- * first pass, which streams it from memory (later passes find it in L2). */
+/* Rows [0, mr) of x against one panel; ncols (<= PW) of the outputs are real. Each k step also
+ * prefetches: `own` (the thread's first panel on its first pass: PREFETCH_BYTES ahead of the row in
+ * use) and `next`, pf_step bytes of the thread's next panel, so that panel is in cache when its
+ * turn comes instead of its first pass waiting on memory. */
 static inline __attribute__((always_inline)) void tile(const float *x, const float *panel, float *y, int K, int ldy,
-                                                      int ncols, int first, const int mr) {
+                                                      int ncols, int own, const char *next, int pf_step,
+                                                      const int mr) {
     vec a0[MR], a1[MR];
     for (int i = 0; i < mr; i++) a0[i] = a1[i] = VZERO();
     for (int k = 0; k < K; k++) {
         const float *row = panel + (size_t)k * PW;
-        if (first) __builtin_prefetch((const char *)row + PREFETCH_BYTES);
+        if (own) __builtin_prefetch((const char *)row + PREFETCH_BYTES);
+        if (next) { /* pf_step is 64 or 128 (at most a panel row of PW floats) */
+            __builtin_prefetch(next);
+            if (pf_step > 64) __builtin_prefetch(next + 64);
+            next += pf_step;
+        }
         const vec w0 = VLOAD(row), w1 = VLOAD(row + VW);
         for (int i = 0; i < mr; i++) {
             const vec xb = VBCAST(x[(size_t)i * K + k]);
@@ -85,22 +96,39 @@ static inline __attribute__((always_inline)) void tile(const float *x, const flo
     }
 }
 
-#define ROWS(r) case r: tile(xm, panel, ym, K, N, ncols, m == 0, r); break;
+#define ROWS(r) case r: tile(xm, panel, ym, K, N, ncols, own, pf, pf_step, r); break;
 
+/* Each thread takes a contiguous range of panels (as schedule(static) would) and runs every row tile
+ * against one panel before the next. With AVX-512's 128-byte panel rows (80 KB panels at K = 640),
+ * the first pass over a panel waited on memory: there each thread prefetches its next panel, spread
+ * evenly over this panel's passes (1.1-1.25x for 4-256 rows with 18 layers' weights streamed from
+ * memory, neutral at 512-2048, on a Zen 4). With AVX2's 64-byte rows the same cost ~5%, so there
+ * the first pass of each panel prefetches that panel ahead instead. The arithmetic is unchanged. */
 void panel_gemm(const float *x, const float *wp, float *y, int M, int N, int K, int threads) {
-    const int P = (N + PW - 1) / PW;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int p = 0; p < P; p++) {
-        const float *panel = wp + (size_t)p * K * PW;
-        const int ncols = N - p * PW < PW ? N - p * PW : PW;
-        for (int m = 0; m < M; m += MR) {
-            const float *xm = x + (size_t)m * K;
-            float *ym = y + (size_t)m * N + (size_t)p * PW;
-            switch (M - m < MR ? M - m : MR) {
-                ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6)
+    const int P = (N + PW - 1) / PW, passes = (M + MR - 1) / MR;
+    const size_t panel_bytes = (size_t)K * PW * sizeof(float);
+    /* bytes of the next panel per k step of every pass, in whole cache lines: 64 or 128 */
+    const int pf_step = (int)((panel_bytes + (size_t)passes * K - 1) / ((size_t)passes * K) + 63) / 64 * 64;
+#pragma omp parallel num_threads(threads)
+    {
+        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int p0 = (int)((int64_t)P * t / nt), p1 = (int)((int64_t)P * (t + 1) / nt);
+        for (int p = p0; p < p1; p++) {
+            const float *panel = wp + (size_t)p * K * PW;
+            const int ncols = N - p * PW < PW ? N - p * PW : PW;
+            const char *next = NEXT_PANEL_PREFETCH && p + 1 < p1 ? (const char *)(panel + (size_t)K * PW) : NULL;
+            for (int m = 0; m < M; m += MR) {
+                const float *xm = x + (size_t)m * K;
+                float *ym = y + (size_t)m * N + (size_t)p * PW;
+                const int own = m == 0 && (p == p0 || !NEXT_PANEL_PREFETCH);
+                const size_t done = (size_t)(m / MR) * K * pf_step; /* of the next panel, by earlier passes */
+                const char *pf = next && done < panel_bytes ? next + done : NULL;
+                switch (M - m < MR ? M - m : MR) {
+                    ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6)
 #if MR > 6
-                ROWS(7) ROWS(8) ROWS(9) ROWS(10) ROWS(11) ROWS(12)
+                    ROWS(7) ROWS(8) ROWS(9) ROWS(10) ROWS(11) ROWS(12)
 #endif
+                }
             }
         }
     }

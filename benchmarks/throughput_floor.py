@@ -1,0 +1,175 @@
+"""The offline throughput workload's floor on this CPU: its unavoidable work over the machine's peaks.
+
+The issue sets fp32 >= 200 output tok/s for the 64-request workload of `kvserve bench throughput`
+as "~70% of the compute bound", from ~0.54 GFLOP per output token. That figure leaves out the prompt
+rows, which the workload has ~2 of for every output token. This script counts the work the workload
+cannot avoid, whatever the implementation (every prompt and generated row through the body, the last
+layer's K/V only for prompt rows that need no logits, attention over each row's causal / sliding
+window, one logit row per output token over the whole vocabulary), and divides it by peaks measured
+here: fp32 FMAs and int16 multiply-adds (vpmaddwd, what the greedy screen runs) from benchmarks/peak.c
+with every thread busy, and read bandwidth (a sum over a 1 GiB tensor). Each part's time is the larger
+of its arithmetic and its bytes; the floor is their sum, so it is optimistic: no glue, no
+elementwise work, perfect overlap within a part. With `--run` it then runs the workload in the same
+process (as `kvserve bench throughput` does) and prints the achieved fraction of each floor.
+
+    cd benchmarks && ../.venv/bin/python throughput_floor.py [--run] [--json-dir DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from _common import machine, read_bandwidth_gbs, save_json
+
+from kvserve import kernels
+from kvserve.bench.throughput import INPUT_RANGE, OUTPUT_RANGE, Workload, make_workload, run_kvserve
+from kvserve.cli import positive_int
+from kvserve.loading import load_model
+from kvserve.loading.cache import cache_root
+from kvserve.model.config import SLIDING, ModelConfig
+
+FP32 = 4  # bytes
+
+
+@dataclass
+class Work:
+    """What the workload must do, in multiply-adds (MACs) and bytes."""
+    body_macs: float  # projections and MLP of every row that must pass through them
+    prefill_attn_macs: float  # QK^T and PV of prompt rows (their K/V is freshly written, in cache)
+    decode_attn_macs: float  # QK^T and PV of generated rows
+    decode_kv_bytes: float  # fp32 K/V that generated rows read from the pool
+    head_macs: float  # one logit row per output token over the whole vocabulary
+    body_weight_bytes_per_step: float
+    head_int8_bytes_per_step: float
+    min_steps: int  # a request's tokens come one step apart: the longest output needs this many
+    output_tokens: int
+
+
+def layer_macs(cfg: ModelConfig) -> tuple[int, int]:
+    """(MACs of one row through a whole layer's matmuls, MACs of its K/V projections alone)."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    kv_only = cfg.hidden_size * 2 * kv
+    return cfg.hidden_size * q + kv_only + q * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size, kv_only
+
+
+def count_work(cfg: ModelConfig, wl: Workload) -> Work:
+    if cfg.mla or cfg.kv_source is not None:
+        raise ValueError(f"{cfg.model_type}: the count covers plain MHA/GQA/MQA layers, not MLA or cross-layer KV")
+    full, kv_only = layer_macs(cfg)
+    windows = [cfg.sliding_window if t == SLIDING else None for t in cfg.layer_types]
+    attn_per_ctx = 2 * cfg.num_heads * cfg.head_dim  # QK^T and PV MACs per context token, per layer
+    kv_bytes_per_ctx = 2 * cfg.num_kv_heads * cfg.head_dim * FP32
+    body = prefill_attn = decode_attn = kv_bytes = 0.0
+    for prompt, n in zip(wl.prompts, wl.output_lens):
+        p = len(prompt)
+        rows = p + n - 1  # the last generated token is never fed back
+        # Prompt rows other than the last need only the last layer's K/V; every other row needs all.
+        body += rows * (cfg.num_layers - 1) * full + n * full + (p - 1) * kv_only
+        for w in windows:
+            ctx = lambda pos: pos + 1 if w is None else min(pos + 1, w)  # noqa: E731
+            prefill_attn += attn_per_ctx * sum(ctx(i) for i in range(p))
+            dec = sum(ctx(i) for i in range(p, rows))
+            decode_attn += attn_per_ctx * dec
+            kv_bytes += kv_bytes_per_ctx * dec
+    body_params = cfg.num_layers * full
+    return Work(body, prefill_attn, decode_attn, kv_bytes, float(wl.output_tokens) * cfg.vocab_size * cfg.hidden_size,
+                body_params * FP32, cfg.vocab_size * cfg.hidden_size, max(wl.output_lens), wl.output_tokens)
+
+
+def _peak_library() -> ctypes.CDLL:
+    src = Path(__file__).with_name("peak.c")
+    key = hashlib.sha256(src.read_bytes() + kernels._cpu_signature().encode()).hexdigest()[:16]
+    so = cache_root() / "kernels" / f"peak-{key}.so"
+    if not so.exists():
+        kernels._compile(src, so)
+    lib = ctypes.CDLL(str(so))
+    for name in ("fp32_fma_peak", "int16_madd_peak"):
+        getattr(lib, name).restype = ctypes.c_double
+        getattr(lib, name).argtypes = [ctypes.c_int64]
+    lib.peak_threads.restype = ctypes.c_int
+    return lib
+
+
+def measure_peaks(repeats: int) -> dict:
+    """Best and median rates over `repeats` runs of ~0.3 s each: fp32 FLOP/s, int16 MAC/s, read B/s."""
+    lib = _peak_library()
+    threads = lib.peak_threads()
+    out = {}
+    for name, per_round, unit in (("fp32_fma_peak", 12 * 8 * 2, "fp32_gflops"), ("int16_madd_peak", 12 * 16, "int16_gmacs")):
+        fn, iters = getattr(lib, name), 30_000_000
+        if fn(1000) == -1.0:
+            raise SystemExit(f"{name}: peak.c was built without AVX2/FMA; no peak to measure on this CPU")
+        rates = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            fn(iters)
+            rates.append(iters * per_round * threads / (time.perf_counter() - t) / 1e9)
+        out[unit] = {"best": max(rates), "median": statistics.median(rates)}
+    bws = [read_bandwidth_gbs(1.0, repeats=3) for _ in range(repeats)]
+    out["read_gbs"] = {"best": max(bws), "median": statistics.median(bws)}
+    out["threads"] = threads
+    return out
+
+
+def floor_seconds(w: Work, fp32_gflops: float, int16_gmacs: float, read_gbs: float, head: str) -> dict:
+    """Each part's time: the larger of its arithmetic at peak and its bytes at bandwidth."""
+    flops = lambda macs: 2 * macs / (fp32_gflops * 1e9)  # noqa: E731
+    parts = {
+        "body": max(flops(w.body_macs), w.min_steps * w.body_weight_bytes_per_step / (read_gbs * 1e9)),
+        "prefill attention": flops(w.prefill_attn_macs),
+        "decode attention": max(flops(w.decode_attn_macs), w.decode_kv_bytes / (read_gbs * 1e9)),
+    }
+    if head == "fp32":
+        parts["head (fp32)"] = max(flops(w.head_macs), w.min_steps * 4 * w.head_int8_bytes_per_step / (read_gbs * 1e9))
+    else:
+        parts["head (int16 screen)"] = max(w.head_macs / (int16_gmacs * 1e9),
+                                           w.min_steps * w.head_int8_bytes_per_step / (read_gbs * 1e9))
+    total = sum(parts.values())
+    return {"parts_s": parts, "seconds": total, "output_tok_s": w.output_tokens / total}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--num-prompts", type=positive_int, default=64)
+    p.add_argument("--repeats", type=positive_int, default=5)
+    p.add_argument("--run", action="store_true", help="then run the workload and report the achieved fraction")
+    p.add_argument("--json-dir", default=None)
+    args = p.parse_args()
+    loaded = load_model(None, "float32")
+    cfg = loaded.config
+    wl = make_workload(args.num_prompts, INPUT_RANGE, OUTPUT_RANGE, cfg.vocab_size, cfg.bos_token_id, 0)
+    work = count_work(cfg, wl)
+    peaks = measure_peaks(args.repeats)
+    print(machine())
+    print(f"{len(wl.prompts)} requests, {wl.input_tokens} prompt + {wl.output_tokens} output tokens")
+    print(f"work: body {2 * work.body_macs / 1e9:.0f} GFLOP, prefill attention {2 * work.prefill_attn_macs / 1e9:.0f}, "
+          f"decode attention {2 * work.decode_attn_macs / 1e9:.0f} GFLOP and {work.decode_kv_bytes / 1e9:.0f} GB of K/V, "
+          f"head {work.head_macs / 1e12:.2f} T multiply-adds; {2 * (work.body_macs + work.head_macs) / work.output_tokens / 1e9:.2f}"
+          f" GFLOP of matmuls per output token (the issue counted ~0.54)")
+    for unit, r in peaks.items():
+        if unit == "threads":
+            continue
+        print(f"peak {unit}: best {r['best']:.1f}, median {r['median']:.1f}")
+    best = {u: r["best"] for u, r in peaks.items() if u != "threads"}
+    floors = {head: floor_seconds(work, best["fp32_gflops"], best["int16_gmacs"], best["read_gbs"], head)
+              for head in ("fp32", "int16")}
+    for head, f in floors.items():
+        parts = ", ".join(f"{k} {s:.1f} s" for k, s in f["parts_s"].items())
+        print(f"floor, head {head}: {f['seconds']:.1f} s = {f['output_tok_s']:.0f} output tok/s ({parts})")
+    result = {"work": asdict(work), "peaks": peaks, "floors": floors}
+    if args.run:
+        res = run_kvserve(loaded, wl, max_num_seqs=64, enable_prefix_caching=False)
+        result["run"] = {"seconds": res.seconds, "output_tok_s": res.output_tok_s}
+        print(f"kvserve: {res.seconds:.1f} s, {res.output_tok_s:.1f} output tok/s = "
+              + ", ".join(f"{100 * res.output_tok_s / f['output_tok_s']:.0f}% of the {h}-head floor"
+                          for h, f in floors.items()))
+    save_json("throughput_floor", result, args.json_dir)
+
+
+if __name__ == "__main__":
+    main()
