@@ -5,6 +5,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import time
 from datetime import date
 from pathlib import Path
@@ -48,3 +49,9 @@ def save_json(name: str, data: dict, out_dir: str | None) -> None:
     data = {"date": date.today().isoformat(), "machine": machine(), **data}
     path.write_text(json.dumps(data, indent=1))
     print(f"wrote {path}")
+
+
+def kernel_source_at(rev: str, name: str) -> str:
+    """kvserve/kernels/<name> as it was at git revision `rev` (for side-by-side kernel benchmarks)."""
+    return subprocess.run(["git", "show", f"{rev}:kvserve/kernels/{name}"], cwd=ROOT, capture_output=True, text=True,
+                          check=True).stdout

@@ -10,13 +10,12 @@ from __future__ import annotations
 import argparse
 import ctypes
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from _common import machine, save_json
+from _common import kernel_source_at, machine, save_json
 
 from kvserve import kernels
 from kvserve.cli import positive_int
@@ -43,8 +42,7 @@ def main() -> None:
     p.add_argument("--rounds", type=positive_int, default=10)
     p.add_argument("--json-dir", default=None)
     args = p.parse_args()
-    before = subprocess.run(["git", "show", f"{args.before_rev}:kvserve/kernels/greedy_head.c"], cwd=ROOT,
-                            capture_output=True, text=True, check=True).stdout
+    before = kernel_source_at(args.before_rev, "greedy_head.c")
     tmp = Path(tempfile.mkdtemp())
     libs = {args.before_rev: build(before, tmp / "before.so"), "current": build(SRC.read_text(), tmp / "current.so")}
     torch.manual_seed(0)
