@@ -53,5 +53,7 @@ def save_json(name: str, data: dict, out_dir: str | None) -> None:
 
 def kernel_source_at(rev: str, name: str) -> str:
     """kvserve/kernels/<name> as it was at git revision `rev` (for side-by-side kernel benchmarks)."""
-    return subprocess.run(["git", "show", f"{rev}:kvserve/kernels/{name}"], cwd=ROOT, capture_output=True, text=True,
-                          check=True).stdout
+    proc = subprocess.run(["git", "show", f"{rev}:kvserve/kernels/{name}"], cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"--before-rev {rev}: no kvserve/kernels/{name} there ({proc.stderr.strip()[:200]})")
+    return proc.stdout
