@@ -31,10 +31,7 @@ LAYERS = 18
 def build(source: str, out: Path) -> ctypes.CDLL:
     src = out.with_suffix(".c")
     src.write_text(source)
-    kernels._compile(src, out)  # the engine's compiler flags
-    lib = ctypes.CDLL(str(out))
-    lib.panel_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
-    return lib
+    return kernels.load_source(src, "panel_gemm")  # the engine's compiler flags and signatures
 
 
 def body(lib: ctypes.CDLL, weights, m: int, threads: int) -> tuple[float, list[torch.Tensor]]:

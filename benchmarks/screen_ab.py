@@ -28,11 +28,7 @@ V, K = 262_144, 640
 def build(source: str, out: Path) -> ctypes.CDLL:
     src = out.with_suffix(".c")
     src.write_text(source)
-    kernels._compile(src, out)  # the engine's compiler flags
-    lib = ctypes.CDLL(str(out))
-    args, res = kernels._SIGNATURES["greedy_head"]["screen_argmax"]
-    lib.screen_argmax.argtypes, lib.screen_argmax.restype = args, res
-    return lib
+    return kernels.load_source(src, "greedy_head")  # the engine's compiler flags and signatures
 
 
 def main() -> None:

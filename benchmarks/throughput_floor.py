@@ -6,7 +6,7 @@ rows, which the workload has ~2 of for every output token. This script counts th
 cannot avoid, whatever the implementation (every prompt and generated row through the body, the last
 layer's K/V only for prompt rows that need no logits, attention over each row's causal / sliding
 window, one logit row per output token over the whole vocabulary), and divides it by peaks measured
-here: fp32 FMAs and int16 multiply-adds (vpmaddwd, what the greedy screen runs) from benchmarks/peak.c
+here: fp32 FMAs and int16 multiply-adds (what the greedy screen runs) from benchmarks/peak.c
 with every thread busy, and read bandwidth (a sum over a 1 GiB tensor). Each part's time is the larger
 of its arithmetic and its bytes; the floor is their sum, so it is optimistic: no glue, no
 elementwise work, perfect overlap within a part. With `--run` it then runs the workload in the same
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import hashlib
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -30,7 +29,6 @@ from kvserve import kernels
 from kvserve.bench.throughput import INPUT_RANGE, OUTPUT_RANGE, Workload, make_workload, run_kvserve
 from kvserve.cli import positive_int
 from kvserve.loading import load_model
-from kvserve.loading.cache import cache_root
 from kvserve.model.config import SLIDING, ModelConfig
 
 FP32 = 4  # bytes
@@ -82,16 +80,12 @@ def count_work(cfg: ModelConfig, wl: Workload) -> Work:
 
 
 def _peak_library() -> ctypes.CDLL:
-    src = Path(__file__).with_name("peak.c")
-    key = hashlib.sha256(src.read_bytes() + kernels._cpu_signature().encode()).hexdigest()[:16]
-    so = cache_root() / "kernels" / f"peak-{key}.so"
-    if not so.exists():
-        kernels._compile(src, so)
-    lib = ctypes.CDLL(str(so))
+    lib = kernels.load_source(Path(__file__).with_name("peak.c"))  # the kernels' flags, cached
     for name in ("fp32_fma_peak", "int16_madd_peak"):
         getattr(lib, name).restype = ctypes.c_double
         getattr(lib, name).argtypes = [ctypes.c_int64]
-    lib.peak_threads.restype = ctypes.c_int
+    for name in ("peak_threads", "fp32_lanes", "int32_lanes"):
+        getattr(lib, name).restype = ctypes.c_int
     return lib
 
 
@@ -100,7 +94,11 @@ def measure_peaks(repeats: int) -> dict:
     lib = _peak_library()
     threads = lib.peak_threads()
     out = {}
-    for name, per_round, unit in (("fp32_fma_peak", 12 * 8 * 2, "fp32_gflops"), ("int16_madd_peak", 12 * 16, "int16_gmacs")):
+    # A round: 12 vector FMAs of fp32_lanes() lanes x 2 flops; 12 multiply-adds of int32_lanes()
+    # lanes x 2 int16 products. The vector width is the kernels' on this build (peak.c).
+    rounds = (("fp32_fma_peak", 12 * lib.fp32_lanes() * 2, "fp32_gflops"),
+              ("int16_madd_peak", 12 * lib.int32_lanes() * 2, "int16_gmacs"))
+    for name, per_round, unit in rounds:
         fn, iters = getattr(lib, name), 30_000_000
         if fn(1000) == -1.0:
             raise SystemExit(f"{name}: peak.c was built without AVX2/FMA; no peak to measure on this CPU")

@@ -33,7 +33,8 @@ def _screen(w: torch.Tensor, x: torch.Tensor, cap: int = kernels.SCREEN_CAP) -> 
 
 
 @needs_screen
-@pytest.mark.parametrize("v, k, m", [(1000, 64, 1), (4099, 33, 7), (517, 640, 13), (20000, 128, 64), (16, 2, 3)])
+@pytest.mark.parametrize("v, k, m", [(1000, 64, 1), (4099, 33, 7), (517, 640, 13), (3001, 96, 23), (20000, 128, 64),
+                                     (16, 2, 3)])
 def test_screen_equals_the_full_argmax(v, k, m):
     g = torch.Generator().manual_seed(v + k + m)
     w = torch.randn(v, k, generator=g) * 0.05

@@ -58,21 +58,33 @@ def _compile(src: Path, out: Path) -> None:
         os.replace(tmp_out, out)  # atomic: a concurrent process never loads a half-written file
 
 
-def _load(name: str) -> ctypes.CDLL | None:
-    """kvserve/kernels/<name>.c compiled (once, cached) and loaded, or None when unavailable."""
-    if os.environ.get("KVSERVE_NO_KERNELS") == "1":
-        return None
+def load_source(src: Path, signatures: str | None = None) -> ctypes.CDLL:
+    """The C file `src` compiled with the kernels' flags (once: cached under ~/.cache/kvserve/kernels
+    keyed by the source, the headers beside it, the flags and the CPU) and loaded; with
+    `signatures`, its functions typed as _SIGNATURES[signatures]'s. Raises RuntimeError or OSError
+    when it cannot be built or loaded. (Also the benchmarks' way to build a kernel's other versions
+    and benchmarks/peak.c.)"""
     from kvserve.loading.cache import cache_root  # here: kvserve.loading imports the model package
 
-    src = Path(__file__).with_name(f"{name}.c")
     headers = b"".join(h.read_bytes() for h in sorted(src.parent.glob("*.h")))  # shared by some sources
     key = hashlib.sha256(src.read_bytes() + headers + " ".join(_FLAGS + _LIBS.get(src.name, [])).encode()
                          + _cpu_signature().encode()).hexdigest()[:16]
-    so = cache_root() / "kernels" / f"{name}-{key}.so"
+    so = cache_root() / "kernels" / f"{src.stem}-{key}.so"
+    if not so.exists():
+        _compile(src, so)
+    lib = ctypes.CDLL(str(so))
+    for name, (args, res) in (_SIGNATURES[signatures] if signatures else {}).items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, res
+    return lib
+
+
+def _load(name: str) -> ctypes.CDLL | None:
+    """kvserve/kernels/<name>.c compiled (once, cached), loaded and typed, or None when unavailable."""
+    if os.environ.get("KVSERVE_NO_KERNELS") == "1":
+        return None
     try:
-        if not so.exists():
-            _compile(src, so)
-        return ctypes.CDLL(str(so))
+        return load_source(Path(__file__).with_name(f"{name}.c"), name)
     except (OSError, RuntimeError) as e:
         log.warning("C kernels (%s) unavailable, using the torch path: %s", name, e)
         return None
@@ -114,12 +126,7 @@ def kernel_lib(source: str) -> ctypes.CDLL | None:
 
 @lru_cache(maxsize=None)
 def _typed_lib(source: str) -> ctypes.CDLL | None:
-    lib = _load(source)
-    if lib is not None:
-        for name, (args, res) in _SIGNATURES[source].items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = args, res
-    return lib
+    return _load(source)
 
 
 kernel_lib.cache_clear = _typed_lib.cache_clear  # reload after KVSERVE_NO_KERNELS changes (tests)

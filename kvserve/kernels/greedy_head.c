@@ -20,8 +20,9 @@
  * to even, zero-padded): for each pair of k, 16 tokens x 2 values, so vpmovsxbw + vpmaddwd against
  * a broadcast pair of the row's int16 values gives 8 tokens' partial dots per instruction.
  * AVX2, with each vpmaddwd + vpaddd fused into one vpdpwssd where the CPU has VNNI (0.81-0.87x the
- * screen's time on a Zen 4, benchmarks/screen_ab.py); screen_available() is 0 without AVX2 and the
- * caller computes the full logits.
+ * screen's time on a Zen 4, benchmarks/screen_ab.py); with AVX-512 (BW) a chunk's 16 tokens fill one
+ * 512-bit vector (0.56-0.60x the 256-bit VNNI screen's time on a Zen 5, whose units are 512 bits
+ * wide); screen_available() is 0 without AVX2 and the caller computes the full logits.
  */
 #include <math.h>
 #include <stdint.h>
@@ -32,19 +33,31 @@
 #include <immintrin.h>
 #include <omp.h>
 #define PT 16 /* tokens per panel */
-#define MR 6  /* rows per tile: 12 accumulators + 2 weight vectors + 1 broadcast of 16 registers */
 #define SLACK (1.0 + 1e-9)
 #define ABS_SLACK 1e-20 /* covers subnormal products (< K * 2^-126 * max|.|) */
 #define PREFETCH_BYTES 4096
 /* acc + the pairwise int16 products of h and w, in int32. With VNNI one vpdpwssd does what
  * vpmaddwd + vpaddd do, with the same wrap-around int32 sum (the products' pair sums never
  * saturate: |2 * 127 * QH| < 2^31), so the dots are bitwise the same. */
+#if defined(__AVX512BW__)
+/* AVX-512: a panel's pair-chunk (16 tokens x 2 values) widens into one 512-bit vector, so one
+ * multiply-add per row covers all 16 tokens; each token's lane sums the same pair products in the
+ * same order as the AVX2 path's, so the dots are bitwise the same. */
+#define MR 12 /* rows per tile: 12 accumulators + the widened chunk + a broadcast of 32 registers */
+#if defined(__AVX512VNNI__)
+#define MADD_ACC(acc, h, w) _mm512_dpwssd_epi32((acc), (h), (w))
+#else
+#define MADD_ACC(acc, h, w) _mm512_add_epi32((acc), _mm512_madd_epi16((h), (w)))
+#endif
+#else
+#define MR 6 /* rows per tile: 12 accumulators + 2 weight vectors + 1 broadcast of 16 registers */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define MADD_ACC(acc, h, w) _mm256_dpwssd_epi32((acc), (h), (w))
 #elif defined(__AVXVNNI__)
 #define MADD_ACC(acc, h, w) _mm256_dpwssd_avx_epi32((acc), (h), (w))
 #else
 #define MADD_ACC(acc, h, w) _mm256_add_epi32((acc), _mm256_madd_epi16((h), (w)))
+#endif
 #endif
 
 int screen_available(void) { return 1; }
@@ -80,6 +93,24 @@ void screen_pack(const float *wp, int pw, int8_t *q, double *scale, double *c1, 
 
 /* 16 tokens' dots for rows [0, mr) of hq [*, Kp] against one panel -> dots [mr][16]. first: the
  * panel's first row tile, which streams it from memory (a software prefetch ahead: ~10% at one row). */
+#if defined(__AVX512BW__)
+static inline __attribute__((always_inline)) void tile(const int16_t *hq, int Kp, const int8_t *panel,
+                                                      int32_t dots[MR][PT], const int mr, const int first) {
+    __m512i acc[MR];
+    for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_si512();
+    for (int kk = 0; kk < Kp / 2; kk++) {
+        const int8_t *p = panel + (size_t)kk * 2 * PT;
+        if (first && (kk & 1) == 0) __builtin_prefetch(p + PREFETCH_BYTES);
+        const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p));
+        for (int i = 0; i < mr; i++) {
+            int32_t pair;
+            memcpy(&pair, hq + (size_t)i * Kp + 2 * kk, sizeof pair);
+            acc[i] = MADD_ACC(acc[i], _mm512_set1_epi32(pair), w);
+        }
+    }
+    for (int i = 0; i < mr; i++) _mm512_storeu_si512((void *)dots[i], acc[i]);
+}
+#else
 static inline __attribute__((always_inline)) void tile(const int16_t *hq, int Kp, const int8_t *panel,
                                                       int32_t dots[MR][PT], const int mr, const int first) {
     __m256i a0[MR], a1[MR];
@@ -102,6 +133,8 @@ static inline __attribute__((always_inline)) void tile(const int16_t *hq, int Kp
         _mm256_storeu_si256((__m256i *)(dots[i] + 8), a1[i]);
     }
 }
+
+#endif
 
 typedef struct {
     int32_t v;
@@ -126,6 +159,37 @@ static inline void push(cand *mine, int *cnt, int cap, int v, double up) {
  * upper bound reaches it (tokens v0 .. v0 + ncols - 1; stats of those tokens). */
 static inline void bounds(const int32_t *dots, const double *scale, const double *c1, const double *c2, int ncols,
                           double sh, double hl1, double r, double *T, int v0, cand *mine, int *cnt, int cap) {
+#if defined(__AVX512F__)
+    if (ncols == PT) { /* 2 x 8 doubles: the same arithmetic per token as the AVX2 branch below */
+        __m512d up[2], lo_max = _mm512_set1_pd(-INFINITY);
+        const __m512d vsh = _mm512_set1_pd(sh), vl1 = _mm512_set1_pd(hl1), vr = _mm512_set1_pd(r);
+        const __m512d rel = _mm512_set1_pd(1e-12), slack = _mm512_set1_pd(SLACK), abs_slack = _mm512_set1_pd(ABS_SLACK);
+        for (int j = 0; j < 2; j++) {
+            const __m512d d = _mm512_cvtepi32_pd(_mm256_loadu_si256((const __m256i *)(dots + 8 * j)));
+            const __m512d est = _mm512_mul_pd(_mm512_mul_pd(_mm512_loadu_pd(scale + 8 * j), vsh), d);
+            __m512d width = _mm512_add_pd(_mm512_mul_pd(vl1, _mm512_loadu_pd(c1 + 8 * j)),
+                                          _mm512_mul_pd(vr, _mm512_loadu_pd(c2 + 8 * j)));
+            width = _mm512_add_pd(width, _mm512_mul_pd(_mm512_abs_pd(est), rel));
+            width = _mm512_add_pd(_mm512_mul_pd(width, slack), abs_slack);
+            up[j] = _mm512_add_pd(est, width);
+            lo_max = _mm512_max_pd(lo_max, _mm512_sub_pd(est, width));
+        }
+        const double l = _mm512_reduce_max_pd(lo_max);
+        if (l > *T) *T = l;
+        const __m512d t = _mm512_set1_pd(*T);
+        for (int j = 0; j < 2; j++) {
+            unsigned mask = _mm512_cmp_pd_mask(up[j], t, _CMP_GE_OQ);
+            if (!mask) continue;
+            double u[8];
+            _mm512_storeu_pd(u, up[j]);
+            for (; mask; mask &= mask - 1) {
+                const int c = __builtin_ctz(mask);
+                push(mine, cnt, cap, v0 + 8 * j + c, u[c]);
+            }
+        }
+        return;
+    }
+#else
     if (ncols == PT) { /* 4 x 4 doubles */
         __m256d up[4], lo_max = _mm256_set1_pd(-INFINITY);
         const __m256d vsh = _mm256_set1_pd(sh), vl1 = _mm256_set1_pd(hl1), vr = _mm256_set1_pd(r);
@@ -158,6 +222,7 @@ static inline void bounds(const int32_t *dots, const double *scale, const double
         }
         return;
     }
+#endif
     for (int c = 0; c < ncols; c++) { /* the last, partial panel */
         const double est = scale[c] * sh * (double)dots[c];
         const double width = (hl1 * c1[c] + r * c2[c] + fabs(est) * 1e-12) * SLACK + ABS_SLACK;
@@ -230,6 +295,14 @@ int screen_argmax(const float *x, const float *wp, int pw, const int8_t *q, cons
                 case 3: tile(hq + (size_t)m * Kp, Kp, panel, dots, 3, m == 0); break;
                 case 4: tile(hq + (size_t)m * Kp, Kp, panel, dots, 4, m == 0); break;
                 case 5: tile(hq + (size_t)m * Kp, Kp, panel, dots, 5, m == 0); break;
+#if MR > 6
+                case 6: tile(hq + (size_t)m * Kp, Kp, panel, dots, 6, m == 0); break;
+                case 7: tile(hq + (size_t)m * Kp, Kp, panel, dots, 7, m == 0); break;
+                case 8: tile(hq + (size_t)m * Kp, Kp, panel, dots, 8, m == 0); break;
+                case 9: tile(hq + (size_t)m * Kp, Kp, panel, dots, 9, m == 0); break;
+                case 10: tile(hq + (size_t)m * Kp, Kp, panel, dots, 10, m == 0); break;
+                case 11: tile(hq + (size_t)m * Kp, Kp, panel, dots, 11, m == 0); break;
+#endif
                 default: tile(hq + (size_t)m * Kp, Kp, panel, dots, MR, m == 0); break;
                 }
                 for (int i = 0; i < mr; i++) {
