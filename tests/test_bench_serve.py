@@ -210,16 +210,18 @@ def test_poisson_pacing_follows_seeded_schedule(fake):
     url, state = fake
     n, rate, seed = 16, 40.0, 7
     planned = arrival_offsets(n, rate, seed)
-    for attempt in range(2):
+    for attempt in range(3):
         state.arrivals.clear()
         results, duration = _run(url, _requests(n, output_len=2), rate=rate, seed=seed)
         late = [r.sent_s - r.scheduled_s for r in results]
+        on_time = min(late) >= -1e-3 and np.median(late) < 0.02 and max(late) < 0.25
         # A stall of the shared host delays every send after it (fresh-clone runs on the 2-core dev
-        # VM saw 0.6-0.9 s once each, in 16 sends over 0.4 s): one more run, same bounds.
-        if max(late) < 0.25:
+        # VM saw 0.6-0.9 s once each, and CI once a 0.15 s stall early on that made the median
+        # late): more runs, same bounds. Early sends are a bug a rerun cannot hide.
+        if on_time or min(late) < -1e-3:
             break
     assert [r.scheduled_s for r in results] == planned
-    assert min(late) >= -1e-3 and np.median(late) < 0.02 and max(late) < 0.25, late
+    assert on_time, late
     seen = np.sort(np.array(state.arrivals) - state.arrivals[0])  # as the server saw them
     assert np.median(np.abs(seen - (np.array(planned) - planned[0]))) < 0.02
     assert planned[-1] <= duration <= planned[-1] + 1.5
