@@ -16,6 +16,7 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.engine.block_manager import BlockManager
+from kvserve.kernels.host_memory import keep_freed_memory
 from kvserve.engine.metrics import RequestMetrics
 from kvserve.engine.model_runner import ModelRunner, StepInput
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
@@ -64,6 +65,8 @@ class LLMEngine:
         cfg = self.config
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
+        if torch.device(cfg.device).type == "cpu":
+            keep_freed_memory()  # no page faults on each step's large temporaries
         self.loaded = self._low_bit_weights(loaded or load_model(cfg.model, cfg.dtype, cfg.device),
                                             owned=loaded is None)
         self._pack_weights(self.loaded.model, "model", head_only=cfg.compile)

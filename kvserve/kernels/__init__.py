@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from kvserve.kernels.host_memory import empty_huge
+
 log = logging.getLogger(__name__)
 
 # -ffp-contract=off (also C11's default): no fused multiply-adds the source did not ask for, so
@@ -329,7 +331,7 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
     lib, width = found
     w = weight.detach().contiguous()
     n, k = w.shape
-    packed = torch.empty(-(-n // width), k, width, dtype=torch.float32)
+    packed = empty_huge(-(-n // width), k, width)  # streamed from memory every step: 2 MB pages
     lib.pack_panels(w.data_ptr(), packed.data_ptr(), n, k, torch.get_num_threads())
     return packed
 
@@ -374,7 +376,7 @@ def pack_head_screen(packed: torch.Tensor, n: int) -> HeadScreen | None:
         return None
     k = packed.shape[1]
     kp = k + (k & 1)
-    screen = HeadScreen(q=torch.empty(-(-n // 16) * kp * 16, dtype=torch.int8),
+    screen = HeadScreen(q=empty_huge(-(-n // 16) * kp * 16, dtype=torch.int8),
                         scale=torch.empty(n, dtype=torch.float64), c1=torch.empty(n, dtype=torch.float64),
                         c2=torch.empty(n, dtype=torch.float64))
     lib.screen_pack(packed.data_ptr(), packed.shape[2], screen.q.data_ptr(), screen.scale.data_ptr(),

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.kernels import norm_rope_write, paged_decode_attention, prefill_attention
+from kvserve.kernels.host_memory import empty_huge
 from kvserve.model.config import ModelConfig
 from kvserve.model import layers
 from kvserve.model.layers import RMSNorm, apply_rope
@@ -76,8 +77,9 @@ class KVCache:
         self.kv_dtype = kv_dtype
         self.quantized = kv_dtype in KV_QUANT
         store, self._qmax = KV_QUANT[kv_dtype] if self.quantized else (dtype, 0.0)
-        self.k = [torch.zeros(shape, dtype=store, device=device) for _ in range(size)]
-        self.v = [torch.zeros(v_shape, dtype=store, device=device) for _ in range(size)]
+        # Each decode step reads its pages from memory: 2 MB pages (advised before the zero fill).
+        self.k = [empty_huge(*shape, dtype=store, device=device).zero_() for _ in range(size)]
+        self.v = [empty_huge(*v_shape, dtype=store, device=device).zero_() for _ in range(size)]
         scale_shape = (num_slots, num_kv_heads, 1)
         n_scales = size if self.quantized else 0
         self.k_scale = [torch.zeros(scale_shape, dtype=torch.float32, device=device) for _ in range(n_scales)]

@@ -1,0 +1,94 @@
+"""Host memory for the kernels: huge pages for the large buffers they stream, and a malloc that
+keeps freed memory for the next step.
+
+A decode step streams every packed weight panel, the head's int8 screen and the KV pages from
+memory. On 4 KB pages that is a TLB miss every 4 KB, and the hardware prefetchers stop at each page
+boundary; on 2 MB pages neither happens. Linux hands out 2 MB pages to ranges marked
+`madvise(MADV_HUGEPAGE)` (the default THP mode on most distributions is `madvise`), but only to
+aligned 2 MB stretches that are faulted in after the advice: so a buffer is advised right after
+`torch.empty` and before anything writes to it. PyTorch itself does this for every allocation of
+2 MB or more when THP_MEM_ALLOC_ENABLE=1 is set before its first allocation; kvserve advises only
+its own long-lived buffers, whatever the environment.
+
+Advice only: where the kernel or platform does not support it, nothing changes.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import platform
+import sys
+from functools import lru_cache
+
+import torch
+
+HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # linux/mman-common.h
+
+
+@lru_cache(maxsize=1)
+def _madvise():
+    if sys.platform != "linux":
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+    fn = libc.madvise
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+def advise_huge(t: torch.Tensor) -> int:
+    """Mark the whole 2 MB pages inside contiguous CPU tensor t's memory for huge pages -> the bytes
+    advised (0 when nothing was: too small, not on the CPU, not Linux, or the advice refused). The
+    partial pages at either end stay 4 KB, so nothing outside t is touched."""
+    madvise = _madvise()
+    if madvise is None or t.device.type != "cpu" or not t.is_contiguous():
+        return 0
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    lo = -(-start // HUGE_PAGE) * HUGE_PAGE
+    hi = end // HUGE_PAGE * HUGE_PAGE
+    if hi - lo < HUGE_PAGE:
+        return 0
+    return hi - lo if madvise(lo, hi - lo, _MADV_HUGEPAGE) == 0 else 0
+
+
+def empty_huge(*shape: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
+    """torch.empty(shape) with its pages advised huge before anything touches them."""
+    t = torch.empty(*shape, dtype=dtype, device=device)
+    advise_huge(t)
+    return t
+
+
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+RETAINED_TOP_BYTES = (2 << 30) - 1  # (mallopt takes an int)  # free memory at the heap's top kept before any goes back to the OS
+
+
+@lru_cache(maxsize=1)
+def keep_freed_memory() -> bool:
+    """Make glibc's malloc keep freed memory for reuse instead of returning it to the OS: no mmap
+    for large blocks, and up to RETAINED_TOP_BYTES of free heap top kept. -> whether it applied.
+
+    Why: each engine step allocates and frees the same large temporaries (a 2048-row step's matmul
+    outputs are tens of MB). glibc serves blocks over its mmap threshold (at most 32 MB) with a
+    fresh mmap and unmaps them on free, so every step faults those pages in again, 4 KB at a time,
+    with the zeroing that comes with it; in the offline workload that was ~10-15% of the run
+    (docs/BENCHMARKS.md, twentieth and twenty-first sessions). PyTorch's CPU guides recommend
+    preloading jemalloc or tcmalloc for the same reason; this is the same effect without one.
+    The cost: the process keeps its peak memory once reached. Process-wide and once per process;
+    KVSERVE_KEEP_FREED_MEMORY=0 leaves malloc as it is."""
+    if os.environ.get("KVSERVE_KEEP_FREED_MEMORY", "1") == "0" or sys.platform != "linux":
+        return False
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    applied = mallopt(_M_MMAP_MAX, 0) == 1
+    return mallopt(_M_TRIM_THRESHOLD, RETAINED_TOP_BYTES) == 1 and applied

@@ -1,0 +1,64 @@
+"""kvserve.kernels.host_memory: huge-page advice and the malloc that keeps freed memory."""
+from __future__ import annotations
+
+import platform
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve.kernels.host_memory import HUGE_PAGE, advise_huge, empty_huge, keep_freed_memory
+
+linux_only = pytest.mark.skipif(sys.platform != "linux", reason="madvise / mallopt are Linux (glibc) calls")
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _anon_huge_kb() -> int:
+    for line in open("/proc/self/smaps_rollup"):
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return 0
+
+
+def _mapping_of(address: int) -> str:
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        if lo <= address < hi:
+            return fields[5] if len(fields) > 5 else ""
+    raise AssertionError(f"{address:#x} is not mapped")
+
+
+@linux_only
+def test_advise_huge_covers_only_whole_pages_inside_the_tensor():
+    t = torch.empty(5 * HUGE_PAGE // 4)  # 5 MB: 4 or 5 whole 2 MB pages, by where it starts
+    start, end = t.data_ptr(), t.data_ptr() + t.numel() * 4
+    expected = end // HUGE_PAGE * HUGE_PAGE - -(-start // HUGE_PAGE) * HUGE_PAGE
+    assert advise_huge(t) == expected and expected >= 2 * HUGE_PAGE
+    assert advise_huge(torch.empty(1000)) == 0  # smaller than one huge page
+    assert advise_huge(torch.empty(4096, 1024).t()) == 0  # not contiguous
+
+
+@linux_only
+@pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="transparent huge pages off")
+def test_empty_huge_is_backed_by_huge_pages_once_touched():
+    before = _anon_huge_kb()
+    t = empty_huge(64 << 20 >> 2)  # 64 MB
+    t.fill_(1.0)
+    assert _anon_huge_kb() - before >= 48 << 10  # all but the partial pages at the ends
+    assert float(t.sum()) == t.numel()
+
+
+@linux_only
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+def test_keep_freed_memory_serves_large_blocks_from_the_heap():
+    assert keep_freed_memory()
+    # Without it glibc gives a block this large its own mmap, unmapped again on free.
+    t = torch.empty(64 << 20 >> 2)
+    assert _mapping_of(t.data_ptr()) == "[heap]"
+
+
+def test_empty_huge_on_a_tensor_we_cannot_advise_still_allocates():
+    t = empty_huge(3, 4, dtype=torch.int8)
+    assert t.shape == (3, 4) and t.dtype == torch.int8
