@@ -15,13 +15,6 @@ linux_only = pytest.mark.skipif(sys.platform != "linux", reason="madvise / mallo
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
-def _anon_huge_kb() -> int:
-    for line in open("/proc/self/smaps_rollup"):
-        if line.startswith("AnonHugePages:"):
-            return int(line.split()[1])
-    return 0
-
-
 def _mapping_of(address: int) -> str:
     for line in open("/proc/self/maps"):
         fields = line.split()

@@ -16,11 +16,11 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.engine.block_manager import BlockManager
-from kvserve.kernels.host_memory import keep_freed_memory
 from kvserve.engine.metrics import RequestMetrics
 from kvserve.engine.model_runner import ModelRunner, StepInput
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
+from kvserve.kernels.host_memory import keep_freed_memory
 from kvserve.loading import LoadedModel, load_model
 from kvserve.loading.loader import build_model, resolve_dtype
 from kvserve.model.attention import KVCache

@@ -2,8 +2,7 @@
 keeps freed memory for the next step.
 
 A decode step streams every packed weight panel, the head's int8 screen and the KV pages from
-memory. On 4 KB pages that is a TLB miss every 4 KB, and the hardware prefetchers stop at each page
-boundary; on 2 MB pages neither happens. Linux hands out 2 MB pages to ranges marked
+memory. On 4 KB pages that is a TLB miss every 4 KB; on 2 MB pages, one every 2 MB. Linux hands out 2 MB pages to ranges marked
 `madvise(MADV_HUGEPAGE)` (the default THP mode on most distributions is `madvise`), but only to
 aligned 2 MB stretches that are faulted in after the advice: so a buffer is advised right after
 `torch.empty` and before anything writes to it. PyTorch itself does this for every allocation of
@@ -28,12 +27,19 @@ _MADV_HUGEPAGE = 14  # linux/mman-common.h
 
 
 @lru_cache(maxsize=1)
-def _madvise():
+def _libc() -> ctypes.CDLL | None:
     if sys.platform != "linux":
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     except OSError:
+        return None
+
+
+@lru_cache(maxsize=1)
+def _madvise():
+    libc = _libc()
+    if libc is None:
         return None
     fn = libc.madvise
     fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
@@ -65,7 +71,7 @@ def empty_huge(*shape: int, dtype: torch.dtype = torch.float32, device: torch.de
 
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
-RETAINED_TOP_BYTES = (2 << 30) - 1  # (mallopt takes an int)  # free memory at the heap's top kept before any goes back to the OS
+RETAINED_TOP_BYTES = (2 << 30) - 1  # free heap top kept before any goes back to the OS (an int for mallopt)
 
 
 @lru_cache(maxsize=1)
@@ -81,14 +87,12 @@ def keep_freed_memory() -> bool:
     preloading jemalloc or tcmalloc for the same reason; this is the same effect without one.
     The cost: the process keeps its peak memory once reached. Process-wide and once per process;
     KVSERVE_KEEP_FREED_MEMORY=0 leaves malloc as it is."""
-    if os.environ.get("KVSERVE_KEEP_FREED_MEMORY", "1") == "0" or sys.platform != "linux":
+    libc = _libc()
+    if os.environ.get("KVSERVE_KEEP_FREED_MEMORY", "1") == "0" or libc is None:
         return False
-    if platform.libc_ver()[0] != "glibc":
+    if platform.libc_ver()[0] != "glibc" or not hasattr(libc, "mallopt"):
         return False
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return False
+    mallopt = libc.mallopt
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     applied = mallopt(_M_MMAP_MAX, 0) == 1
     return mallopt(_M_TRIM_THRESHOLD, RETAINED_TOP_BYTES) == 1 and applied
