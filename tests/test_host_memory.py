@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvserve.kernels.host_memory import HUGE_PAGE, advise_huge, empty_huge, keep_freed_memory
+from kvserve.kernels.host_memory import (HUGE_PAGE, advise_huge, empty_huge, keep_freed_memory,
+                                         keep_freed_memory_wanted)
 
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="madvise / mallopt are Linux (glibc) calls")
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -72,3 +73,19 @@ def test_keep_freed_memory_serves_large_blocks_from_the_heap():
 def test_empty_huge_on_a_tensor_we_cannot_advise_still_allocates():
     t = empty_huge(3, 4, dtype=torch.int8)
     assert t.shape == (3, 4) and t.dtype == torch.int8
+
+
+@pytest.mark.parametrize("value, wanted", [(None, True), ("1", True), ("0", False), (" 0 ", False)])
+def test_keep_freed_memory_switch(monkeypatch, value, wanted):
+    if value is None:
+        monkeypatch.delenv("KVSERVE_KEEP_FREED_MEMORY", raising=False)
+    else:
+        monkeypatch.setenv("KVSERVE_KEEP_FREED_MEMORY", value)
+    assert keep_freed_memory_wanted() is wanted
+
+
+@pytest.mark.parametrize("value", ["false", "yes", "2", ""])
+def test_keep_freed_memory_switch_rejects_other_values_by_name(monkeypatch, value):
+    monkeypatch.setenv("KVSERVE_KEEP_FREED_MEMORY", value)
+    with pytest.raises(ValueError, match="KVSERVE_KEEP_FREED_MEMORY"):
+        keep_freed_memory_wanted()

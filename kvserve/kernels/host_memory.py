@@ -74,6 +74,14 @@ _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
 RETAINED_TOP_BYTES = (2 << 30) - 1  # free heap top kept before any goes back to the OS (an int for mallopt)
 
 
+def keep_freed_memory_wanted() -> bool:
+    """KVSERVE_KEEP_FREED_MEMORY: unset or "1" on, "0" off; anything else is refused by name."""
+    value = os.environ.get("KVSERVE_KEEP_FREED_MEMORY", "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"KVSERVE_KEEP_FREED_MEMORY must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 @lru_cache(maxsize=1)
 def keep_freed_memory() -> bool:
     """Make glibc's malloc keep freed memory for reuse instead of returning it to the OS: no mmap
@@ -88,7 +96,7 @@ def keep_freed_memory() -> bool:
     The cost: the process keeps its peak memory once reached. Process-wide and once per process;
     KVSERVE_KEEP_FREED_MEMORY=0 leaves malloc as it is."""
     libc = _libc()
-    if os.environ.get("KVSERVE_KEEP_FREED_MEMORY", "1") == "0" or libc is None:
+    if not keep_freed_memory_wanted() or libc is None:
         return False
     if platform.libc_ver()[0] != "glibc" or not hasattr(libc, "mallopt"):
         return False
