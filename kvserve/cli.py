@@ -10,7 +10,10 @@ import time
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: bundled Gemma 3 270M)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--dtype", default="float32", help="float32 or bfloat16")
+    p.add_argument("--dtype", default="auto",
+                   help="float32, bfloat16 or float16; auto: float32 on the CPU, bfloat16 on CUDA")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run decode steps eagerly instead of through captured CUDA graphs")
     p.add_argument("--no-kv-cache", action="store_true",
                    help="recompute the whole sequence every step (the O(T^2) baseline)")
     p.add_argument("--kv-cache-gib", type=float, default=None, help="KV pool size in GiB")
@@ -64,7 +67,7 @@ def decoding_config(args: argparse.Namespace) -> dict:
                 self_draft_bits=args.self_draft_bits,
                 attention_sinks=args.attention_sinks, streaming_window=args.streaming_window,
                 kv_cache_dtype=args.kv_cache_dtype, weights=args.weights, pack_weights=args.pack_weights,
-                compile=args.compile)
+                compile=args.compile, enforce_eager=args.enforce_eager)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

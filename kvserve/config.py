@@ -22,7 +22,9 @@ def _default_kv_cache_gib() -> float:
 class EngineConfig:
     model: str | None = None  # GGUF file or HF folder; None = the bundled Gemma 3 270M
     device: str = "cpu"
-    dtype: str = "float32"
+    # Weights and activations: "auto" is float32 on the CPU (exact against HF transformers) and
+    # bfloat16 on CUDA (half the bytes each decode step reads; tensor cores).
+    dtype: str = "auto"
     block_size: int = 16
     kv_cache_gib: float | None = None  # KV pool budget; None = _default_kv_cache_gib()
     # How the pool stores K/V: "auto" (the model's dtype), "int8" or "fp8" (e4m3), both with one
@@ -77,6 +79,9 @@ class EngineConfig:
     # model's context with constant KV memory. None = off (the model's own attention).
     attention_sinks: int = 0
     streaming_window: int | None = None
+    # CUDA: run decode steps eagerly, never through captured CUDA graphs (vLLM's flag). Graphs
+    # are captured at start-up, one per batch-size bucket, for plain decode steps.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
@@ -86,6 +91,8 @@ class EngineConfig:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         from kvserve.loading.loader import DTYPES  # validation only
 
+        if self.dtype == "auto":
+            self.dtype = "bfloat16" if dev == "cuda" else "float32"
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -98,7 +105,7 @@ class EngineConfig:
         if isinstance(self.kv_cache_gib, bool) or not isinstance(self.kv_cache_gib, (int, float)) or not self.kv_cache_gib > 0:
             raise ValueError(f"kv_cache_gib must be a positive number, got {self.kv_cache_gib!r}")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "use_kv_cache", "sliding_window_release",
-                     "pack_weights", "compile"):
+                     "pack_weights", "compile", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         from kvserve.model.attention import KV_CACHE_DTYPES  # validation only

@@ -1,5 +1,5 @@
-"""benchmarks/cuda_check.py, the prepared GPU check: its verdicts and its CPU dry run (the GPU run
-itself needs a lent machine)."""
+"""benchmarks/cuda_check.py, the GPU check: its verdicts, its reference files, and its CPU dry run
+of both models' paths (the GPU run itself needs a lent machine)."""
 from __future__ import annotations
 
 import importlib.util
@@ -10,11 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvserve import LLM, SamplingParams
-from kvserve.loading import load_model
 from tests.tiny_models import make_model
 
 ROOT = Path(__file__).resolve().parents[1]
+TINY_LLAMA = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=0, eos_token_id=1, rms_norm_eps=1e-5)
+SMALL_RUN = ["--device", "cpu", "--prompts", "3", "--prompt-tokens", "12", "--max-tokens", "8",
+             "--synthetic-prompts", "2", "--synthetic-max-tokens", "6", "--repeats", "1", "--output-len", "4",
+             "--offline-requests", "3", "--kv-cache-gib", "0.05", "--bandwidth-gib", "0.05"]
 
 
 @pytest.fixture(scope="module")
@@ -35,60 +39,89 @@ def tiny_gemma(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.fixture
+def text(tmp_path) -> Path:
+    path = tmp_path / "text.txt"
+    path.write_text("The quick brown fox jumps over the lazy dog. Paged attention stores keys in blocks. " * 40)
+    return path
+
+
 @pytest.fixture(autouse=True)
 def _one_thread(one_thread):
     pass
 
 
-def test_compare_verdicts_against_teacher_forced_logprobs(cuda_check, tiny_gemma):
-    llm = LLM(loaded=load_model(tiny_gemma), enable_prefix_caching=False, kv_cache_gib=0.05)
-    prompt = [2, 40, 41, 42, 43]
-    ref = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].token_ids
-    assert cuda_check.compare(llm, prompt, ref, list(ref), 0.01).verdict == "equal"
-    # Part at token 3 with the reference's runner-up there: the margin is their log-prob gap.
-    top = llm.generate(prompt + ref[:3], SamplingParams(temperature=0, max_tokens=1, logprobs=5))[0]
-    ranked = sorted(top.outputs[0].top_logprobs[0].items(), key=lambda kv: -kv[1])
-    assert ranked[0][0] == ref[3]
-    other, gap = ranked[1][0], ranked[0][1] - ranked[1][1]
-    got = ref[:3] + [other, ref[4], ref[5]]
-    c = cuda_check.compare(llm, prompt, ref, got, tie_margin=gap * 2)
-    assert (c.equal_tokens, c.verdict) == (3, "near-tie") and c.margin == pytest.approx(gap, abs=1e-6)
-    assert cuda_check.compare(llm, prompt, ref, got, tie_margin=gap / 2).verdict == "mismatch"
-    assert cuda_check.compare(llm, prompt, ref, ref[:4], 1e9).verdict == "mismatch"  # shorter: not rounding
+def test_compare_verdicts(cuda_check):
+    ref = cuda_check.Reference([2, 3], [10, 11, 12, 13], [{10: -0.1}, {11: -0.5, 40: -0.52}, {12: -0.2}, {13: -0.1}])
+    assert cuda_check.compare(ref, [10, 11, 12, 13], 0.01).verdict == "equal"
+    c = cuda_check.compare(ref, [10, 40, 7, 7], 0.05)  # parts at 1, with the runner-up 0.02 behind
+    assert (c.equal_tokens, c.verdict) == (1, "near-tie") and c.margin == pytest.approx(0.02)
+    assert cuda_check.compare(ref, [10, 40, 7, 7], 0.01).verdict == "mismatch"
+    c = cuda_check.compare(ref, [10, 11, 99, 13], 1e9)  # a token the reference did not rank
+    assert c.verdict == "mismatch" and c.margin == float("inf")
+    assert cuda_check.compare(ref, [10, 11], 1e9).verdict == "mismatch"  # shorter: not rounding
 
 
-def test_cpu_dry_run_writes_its_report(cuda_check, tiny_gemma, tmp_path):
-    text = tmp_path / "text.txt"
-    text.write_text("The quick brown fox jumps over the lazy dog. Paged attention stores keys in blocks. " * 40)
-    rc = cuda_check.main(["--device", "cpu", "--model", str(tiny_gemma), "--text", str(text), "--prompts", "3",
-                          "--prompt-tokens", "12", "--max-tokens", "8", "--repeats", "1", "--offline-requests", "3",
-                          "--kv-cache-gib", "0.05", "--json-dir", str(tmp_path)])
+def test_reference_file_round_trip(cuda_check, tiny_gemma, text, tmp_path):
+    path = tmp_path / "ref.json"
+    assert cuda_check.main(SMALL_RUN + ["--model", str(tiny_gemma), "--text", str(text),
+                                        "--write-reference", str(path)]) == 0
+    refs = cuda_check.load_references(path, "gemma")
+    assert len(refs) == 3 and all(len(r.prompt) == 12 and len(r.tokens) == 8 for r in refs)
+    # Each generated token is the top of its own logprobs (greedy), keys back as ints.
+    assert all(max(top, key=top.get) == t for r in refs for t, top in zip(r.tokens, r.top_logprobs))
+
+
+def test_cpu_dry_run_of_the_bundled_model_path(cuda_check, tiny_gemma, text, tmp_path):
+    ref = tmp_path / "ref.json"
+    cuda_check.main(SMALL_RUN + ["--model", str(tiny_gemma), "--text", str(text), "--write-reference", str(ref)])
+    rc = cuda_check.main(SMALL_RUN + ["--model", str(tiny_gemma), "--reference", str(ref), "--skip-synthetic",
+                                      "--json-dir", str(tmp_path)])
     assert rc == 0
     data = json.loads((tmp_path / "cuda_check_cpu.json").read_text())
-    assert data["ok"] and len(data["single"]) == len(data["batched"]) == 3
-    assert all(c["verdict"] == "equal" and c["equal_tokens"] == 8 for c in data["single"] + data["batched"])
-    assert data["speed"]["decode_batch1_tok_s"] > 0 and data["speed"]["offline_output_tok_s"] > 0
+    gemma = data["models"]["gemma"]
+    assert data["ok"] and not gemma["errors"]
+    assert set(gemma["greedy"]) == {"graphs, one at a time", "graphs, one batch", "eager, one batch"}
+    assert all(c["verdict"] == "equal" and c["equal_tokens"] == 8 for rows in gemma["greedy"].values() for c in rows)
+    speed = gemma["speed"]
+    assert speed["kvserve"]["decode_batch1_tok_s"] > 0 and speed["kvserve"]["offline_output_tok_s"] > 0
+    assert speed["hf"]["decode_batch1_tok_s"] > 0 and speed["decode_vs_hf"] > 0
+    assert speed["bound"]["bytes_per_token"] > 0 and 0 < speed["kvserve_share_of_bound"]
+
+
+def test_cpu_dry_run_of_the_synthetic_model_path(cuda_check, tmp_path, monkeypatch):
+    monkeypatch.setattr(cuda_check, "LLAMA_1B", TINY_LLAMA)  # the 1B shapes take minutes on two cores
+    rc = cuda_check.main(SMALL_RUN + ["--skip-gemma", "--json-dir", str(tmp_path)])
+    assert rc == 0
+    llama = json.loads((tmp_path / "cuda_check_cpu.json").read_text())["models"]["llama_1b"]
+    assert not llama["errors"]
+    assert all(c["verdict"] == "equal" and c["equal_tokens"] == 6 for rows in llama["greedy"].values() for c in rows)
+    assert llama["speed"]["hf"]["prefill_512_tok_s"] > 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message for a machine without CUDA")
-def test_without_cuda_it_says_so(cuda_check, capsys):
-    assert cuda_check.main(["--device", "cuda"]) == 2
+def test_without_cuda_it_says_so(cuda_check, tiny_gemma, capsys):
+    assert cuda_check.main(["--device", "cuda", "--model", str(tiny_gemma)]) == 2
     assert "torch.cuda.is_available() is False" in capsys.readouterr().err
 
 
-def test_missing_text_file_is_named(cuda_check, tmp_path, capsys):
-    assert cuda_check.main(["--device", "cpu", "--text", str(tmp_path / "nope.txt")]) == 2
-    assert "nope.txt" in capsys.readouterr().err
+def test_bad_reference_file_is_named(cuda_check, tiny_gemma, tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"other": []}')
+    rc = cuda_check.main(SMALL_RUN + ["--model", str(tiny_gemma), "--reference", str(bad), "--skip-synthetic",
+                                      "--skip-speed"])
+    assert rc == 2
+    assert str(bad) in capsys.readouterr().err
 
 
 def test_text_too_short_for_the_prompts_is_named(cuda_check, tiny_gemma, tmp_path, capsys):
-    text = tmp_path / "short.txt"
-    text.write_text("Too short.")
-    rc = cuda_check.main(["--device", "cpu", "--model", str(tiny_gemma), "--text", str(text), "--prompts", "2",
-                          "--prompt-tokens", "12", "--skip-speed", "--kv-cache-gib", "0.05"])
+    short = tmp_path / "short.txt"
+    short.write_text("Too short.")
+    rc = cuda_check.main(SMALL_RUN + ["--model", str(tiny_gemma), "--text", str(short), "--prompts", "2",
+                                      "--skip-speed", "--skip-synthetic"])
     assert rc == 2
     err = capsys.readouterr().err
-    assert str(text) in err and "--prompts x --prompt-tokens = 24" in err
+    assert str(short) in err and "--prompts x --prompt-tokens = 24" in err
 
 
 def test_prompt_count_must_be_positive(cuda_check, capsys):

@@ -16,6 +16,7 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.engine.block_manager import BlockManager
+from kvserve.engine.cuda_graphs import DecodeGraphs
 from kvserve.engine.metrics import RequestMetrics
 from kvserve.engine.model_runner import ModelRunner, StepInput
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
@@ -25,6 +26,7 @@ from kvserve.loading import LoadedModel, load_model
 from kvserve.loading.loader import build_model, resolve_dtype
 from kvserve.model.attention import KVCache
 from kvserve.model.config import LayerGroup, kv_layer_groups
+from kvserve.model.fused_linear import fuse_linear_projections
 from kvserve.model.panels import use_panel_kernels
 from kvserve.model.streaming import StreamPolicy, layer_policies
 from kvserve.sampling import Sampler, SamplingRequest
@@ -70,6 +72,7 @@ class LLMEngine:
         self.loaded = self._low_bit_weights(loaded or load_model(cfg.model, cfg.dtype, cfg.device),
                                             owned=loaded is None)
         self._pack_weights(self.loaded.model, "model", head_only=cfg.compile)
+        self._fuse_cuda_projections(self.loaded.model)
         self.model_config = mc = self.loaded.model.config
         self.tokenizer = self.loaded.tokenizer
         self._check_mla()
@@ -84,7 +87,10 @@ class LLMEngine:
         per_token_head = KVCache.bytes_per_token_head(k_dim, kv_dtype, cfg.kv_cache_dtype, v_dim)
         self.page_bytes = group_size * heads * per_token_head * cfg.block_size
         self.num_blocks = max(len(self.layer_groups), int(cfg.kv_cache_gib * 2**30 // self.page_bytes))  # pages
-        self.kv_cache = KVCache(mc.num_layers, self.num_blocks * cfg.block_size, heads, k_dim,
+        graphs = self._cuda_graphs_apply()
+        # A captured decode step's padding rows write into one page past the block manager's pool.
+        pool_pages = self.num_blocks + int(graphs)
+        self.kv_cache = KVCache(mc.num_layers, pool_pages * cfg.block_size, heads, k_dim,
                                 kv_dtype, cfg.device, layer_groups=[g.layers for g in self.layer_groups],
                                 kv_dtype=cfg.kv_cache_dtype, v_head_dim=v_dim, kv_source=mc.kv_source)
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, cfg.block_size, cfg.device,
@@ -103,6 +109,8 @@ class LLMEngine:
                                    enable_chunked_prefill=cfg.enable_chunked_prefill,
                                    num_speculative_tokens=cfg.num_speculative_tokens if cfg.speculative else 0)
         self.sampler = Sampler(self.tokenizer.eos_token_ids)
+        if graphs:
+            self._capture_cuda_graphs()
         self.requests: dict[str, _Request] = {}
         self.num_prompt_tokens_computed = 0  # prompt tokens that went through the model (not cache hits)
         self._seq_ids = itertools.count()
@@ -119,6 +127,36 @@ class LLMEngine:
         n = use_panel_kernels(model, head_only=head_only)
         if n:
             log.info("%s: %d weight matrices packed for decode steps in %.1f s", what, n, time.perf_counter() - t)
+
+    def _fuse_cuda_projections(self, model: torch.nn.Module) -> None:
+        """CUDA float weights: q/k/v and gate/up as one matmul each (model/fused_linear.py; the
+        originals become views, no memory is added)."""
+        if torch.device(self.config.device).type != "cuda" or self.config.weights != "float":
+            return
+        n = fuse_linear_projections(model)
+        log.info("model: %d projections fused for CUDA (q/k/v, gate/up)", n)
+
+    def _cuda_graphs_apply(self) -> bool:
+        """Decode steps through CUDA graphs: on CUDA with float weights and the model's own paged
+        attention over an unquantized pool (the kernels that read lengths from memory), unless
+        enforce_eager."""
+        return torch.device(self.config.device).type == "cuda" and self._cuda_graphs_fit()
+
+    def _cuda_graphs_fit(self) -> bool:
+        """The engine's configuration has the decode steps a graph captures."""
+        cfg, mc = self.config, self.model_config
+        return (not cfg.enforce_eager and not cfg.compile
+                and cfg.weights == "float" and cfg.kv_cache_dtype == "auto" and cfg.use_kv_cache
+                and self.stream_policies is None and not mc.mla)
+
+    def _capture_cuda_graphs(self) -> None:
+        t = time.perf_counter()
+        graphs = DecodeGraphs(self.loaded.model, self.kv_cache, self.config.block_size, self.max_model_len,
+                              self.config.max_num_seqs, pad_block=self.num_blocks)
+        graphs.capture()
+        self.runner.graphs = graphs
+        log.info("CUDA graphs: decode steps of %s sequences captured in %.1f s", graphs.buckets,
+                 time.perf_counter() - t)
 
     def _low_bit_weights(self, loaded: LoadedModel, owned: bool) -> LoadedModel:
         """EngineConfig.weights int8 / int4: RTN-quantize every linear layer, the LM head and the

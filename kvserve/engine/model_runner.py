@@ -7,6 +7,7 @@ from typing import Sequence as Seq
 
 import torch
 
+from kvserve.engine.cuda_graphs import DecodeGraphs
 from kvserve.model.attention import AttentionMetadata, DecodeBatch, KeptRows, KVCache, SeqAttention
 from kvserve.model.base import CausalLM
 from kvserve.model.streaming import PagedStreamingAttention, StreamPolicy
@@ -50,6 +51,7 @@ class ModelRunner:
         # the rows picked after the final norm (the same numbers; kept for tests and A/B runs).
         self.keep_logit_rows = True
         self.compiled = model.compile_step() if compile else None
+        self.graphs: DecodeGraphs | None = None  # CUDA: captured decode steps (set by the engine)
 
     def _ctx_slots(self, block_table: Seq[int], ctx_len: int) -> torch.Tensor:
         """Slot of each logical position [ctx_len]: block_table[p // bs] * bs + p % bs.
@@ -134,6 +136,9 @@ class ModelRunner:
 
         `num_layers`: exit after that many layers (a self-speculative draft); only those layers'
         K/V are written."""
+        replayed = self._replay(inputs, num_layers)
+        if replayed is not None:
+            return replayed[1]
         hidden = self._forward(inputs, num_layers)
         if hidden.shape[0] == 0:
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
@@ -144,6 +149,9 @@ class ModelRunner:
         """A forward pass whose logit rows all want only their argmax: (tokens [rows] int64, None)
         where the model's greedy screen applies (the argmax of the logits `execute` returns,
         without computing them), else (None, those logits)."""
+        replayed = self._replay(inputs, None)
+        if replayed is not None:
+            return replayed[0], None
         hidden = self._forward(inputs, None)
         screen = getattr(self.model, "greedy_tokens", None)
         tokens = screen(hidden) if screen is not None and hidden.shape[0] else None
@@ -152,6 +160,13 @@ class ModelRunner:
         if hidden.shape[0] == 0:
             return None, hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
         return None, self.model.compute_logits(hidden, upcast=False)
+
+    def _replay(self, inputs: Seq[StepInput], num_layers: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(argmax tokens, logits) of a plain decode step from its captured CUDA graph; None
+        where there is none (not CUDA, an early exit, a step that is not plain decode)."""
+        if self.graphs is None or num_layers is not None or not self.graphs.applies(inputs):
+            return None
+        return self.graphs.run(inputs)
 
     def _forward(self, inputs: Seq[StepInput], num_layers: int | None) -> torch.Tensor:
         """The final hidden states [rows needing logits, hidden] of one forward pass."""

@@ -414,6 +414,8 @@ def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tenso
     slots[j] holding position first_kv + j. Query position x attends p in [first_kv, x], and
     p > x - window with a window. out: a contiguous [T, H, D] to write into. -> [T, H, D].
     """
+    if q.is_cuda:
+        return _triton_prefill(q, k_pool, v_pool, slots, first_kv, first_q, window, scale, out)
     if not _f32_cpu(q, k_pool, v_pool) or q.shape[-1] % 16 or q.shape[1] % k_pool.shape[1]:
         return None
     if not (k_pool.is_contiguous() and v_pool.is_contiguous()) or slots.dtype != torch.int64:
@@ -445,6 +447,8 @@ def paged_decode_attention(q, k_pool, v_pool, tables, starts, lens, block_size: 
     Table entries of blocks wholly before starts[b] are never read (a sliding-window layer group
     marks released blocks -1 there).
     """
+    if q.is_cuda:
+        return _triton_decode(q, k_pool, v_pool, tables, starts, lens, block_size, scale, max_len)
     if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16) or k_pool.dtype != q.dtype:
         return None  # checked first: a CUDA run never compiles the CPU kernel
     if not (k_pool.is_contiguous() and v_pool.is_contiguous()):
@@ -458,6 +462,8 @@ def paged_decode_attention(q, k_pool, v_pool, tables, starts, lens, block_size: 
     threads = torch.get_num_threads()
     # Few sequences: cut each context into ranges so every thread has work (>= 64 positions each;
     # 128 left a batch-1 context under 256 on one thread).
+    if max_len is None:  # (a batch built for a CUDA graph, run eagerly)
+        max_len = int(lens.max())
     splits = max(1, min(-(-4 * threads // (B * kvh)), -(-max_len // 64)))
     out = torch.empty_like(q)
     rc = lib.paged_decode(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), tables.data_ptr(), starts.data_ptr(),
@@ -466,3 +472,91 @@ def paged_decode_attention(q, k_pool, v_pool, tables, starts, lens, block_size: 
     if rc != 0:
         raise MemoryError("paged attention kernel could not allocate its scratch memory")
     return out
+
+
+# ---------------------------------------------------------------- CUDA (Triton)
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _triton_fits(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
+    """The Triton kernels' shapes: float pools of one head width for K and V (not MLA's latent),
+    query heads a multiple of the KV heads, head_dim up to 256, unit stride along head_dim."""
+    D = q.shape[-1]
+    return (k_pool.is_cuda and q.dtype in _FLOATS and k_pool.dtype in _FLOATS and v_pool.dtype in _FLOATS
+            and k_pool.shape[-1] == v_pool.shape[-1] == D <= 256 and q.shape[1] % k_pool.shape[1] == 0
+            and k_pool.stride(-1) == 1 and v_pool.stride(-1) == 1 and q.stride(-1) == 1)
+
+
+def _triton_decode(q, k_pool, v_pool, tables, starts, lens, block_size: int, scale: float,
+                   max_len: int | None) -> torch.Tensor | None:
+    if not _triton_fits(q, k_pool, v_pool):
+        return None
+    from kvserve.kernels import triton_attention  # Triton comes with CUDA builds of torch only
+
+    return triton_attention.paged_decode(q, k_pool, v_pool, tables, starts, lens, block_size, scale, max_len)
+
+
+def _triton_prefill(q, k_pool, v_pool, slots, first_kv: int, first_q: int, window: int | None, scale: float,
+                    out: torch.Tensor | None) -> torch.Tensor | None:
+    if not _triton_fits(q, k_pool, v_pool) or (out is not None and out.stride(-1) != 1):
+        return None
+    from kvserve.kernels import triton_attention  # Triton comes with CUDA builds of torch only
+
+    return triton_attention.paged_prefill(q, k_pool, v_pool, slots, first_kv, first_q, window, scale, out=out)
+
+
+def _cuda_float(*tensors: torch.Tensor | None) -> bool:
+    """Every tensor given (None skipped) is a float CUDA tensor, and no gradient is being recorded
+    (the Triton ops have no backward)."""
+    return not torch.is_grad_enabled() and all(t is None or (t.is_cuda and t.dtype in _FLOATS) for t in tensors)
+
+
+def norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) -> torch.Tensor | None:
+    """CUDA: RMSNorm of x [..., d] as the model's RMSNorm computes it (kernels/triton_ops.py);
+    None elsewhere."""
+    if not _cuda_float(x, weight):
+        return None
+    from kvserve.kernels import triton_ops  # Triton comes with CUDA builds of torch only
+
+    return triton_ops.rms_norm(x, weight, eps, offset)
+
+
+def residual_norm_rows(x: torch.Tensor, residual: torch.Tensor, eps: float, offset: bool,
+                       w1: torch.Tensor | None, w2: torch.Tensor | None):
+    """CUDA: h = residual + (x, or its norm with w1), and with w2 also the norm of h -> h or
+    (h, norm(h)); None elsewhere or for shapes that differ."""
+    if not (_cuda_float(x, residual, w1, w2) and x.shape == residual.shape):
+        return None
+    from kvserve.kernels import triton_ops
+
+    return triton_ops.residual_norm(x, residual, eps, offset, w1, w2)
+
+
+def norm_rope_write_rows(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, q_norm, k_norm,
+                         cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                         k_pool: torch.Tensor | None, v_pool: torch.Tensor | None) -> torch.Tensor | None:
+    """CUDA: the attention prologue in two launches: q [T, H, D] normed (q_norm = (weight, eps,
+    offset) or None) and rotated -> [T, H, D]; k [T, KVH, D] likewise, written with v into the
+    pools at `slots` (k None: a layer reusing another's K/V). None elsewhere."""
+    if not _cuda_float(q, k, v, cos, sin, k_pool, v_pool) or q.stride(-1) != 1:
+        return None
+    if k is not None and not (k.stride(-1) == 1 and v.stride(-1) == 1 and k_pool.dtype == q.dtype
+                              and k_pool.is_contiguous() and v_pool.is_contiguous()):
+        return None
+    from kvserve.kernels import triton_ops
+
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = triton_ops.norm_rope(q, q_norm, cos, sin)
+    if k is not None:
+        triton_ops.norm_rope(k, k_norm, cos, sin, out=k_pool, slots=slots, v=v, v_pool=v_pool)
+    return out
+
+
+def gated_act_rows(gate: torch.Tensor, up: torch.Tensor, gelu_tanh: bool) -> torch.Tensor | None:
+    """CUDA: silu(gate) * up, or gelu_tanh(gate) * up, rounded as the PyTorch ops round; None
+    elsewhere."""
+    if not (_cuda_float(gate, up) and gate.shape == up.shape and gate.stride(-1) == 1 and up.stride(-1) == 1):
+        return None
+    from kvserve.kernels import triton_ops
+
+    return triton_ops.gated_act(gate, up, gelu_tanh)

@@ -162,6 +162,19 @@ def save_model(model, out_dir: str | Path, *, source: str | Path | None = None, 
         tensors[hf_name(name)] = t.contiguous()
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
+    _unshare(tensors)
     hf = hf_config_dict(cfg)
     hf["torch_dtype"] = dtype_name(tensors["model.embed_tokens.weight"].dtype)
     return write_folder(Path(out_dir).expanduser(), cfg, hf, tensors, tokenizer, source)
+
+
+def _unshare(tensors: dict[str, torch.Tensor]) -> None:
+    """Copy the tensors that are views of one storage (fused q/k/v rows on CUDA,
+    model/fused_linear.py): safetensors refuses shared memory."""
+    storages: dict[int, int] = {}
+    for t in tensors.values():
+        key = t.untyped_storage().data_ptr()
+        storages[key] = storages.get(key, 0) + 1
+    for name, t in tensors.items():
+        if storages[t.untyped_storage().data_ptr()] > 1:
+            tensors[name] = t.clone()

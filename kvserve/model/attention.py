@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.kernels import norm_rope_write, paged_decode_attention, prefill_attention
+from kvserve.kernels import norm_rope_write, norm_rope_write_rows, paged_decode_attention, prefill_attention
 from kvserve.kernels.host_memory import empty_huge
 from kvserve.model.config import ModelConfig
 from kvserve.model import layers
@@ -216,7 +216,7 @@ class DecodeBatch:
     block_tables: torch.Tensor
     lens: torch.Tensor  # [B] int32: context length after this step's token
     block_size: int
-    max_len: int  # max(lens)
+    max_len: int | None  # max(lens); None in a CUDA graph's batch, whose lengths change at each replay
     _starts: dict = field(default_factory=dict, repr=False)
     _groups: dict = field(default_factory=dict, repr=False)
 
@@ -399,7 +399,11 @@ class Attention(nn.Module):
         """q/k norms, RoPE and the K/V write as one C call (kvserve/kernels/rope_cache.c) for fp32
         steps; returns the rotated q [T, H, D], or None (the torch ops run). Bitwise the torch
         path: the size limit is the one under which the norms take the C kernel there too."""
-        if q.numel() > layers.NORM_KERNEL_MAX_ELEMENTS or kv_cache.quantized or torch.is_grad_enabled():
+        if kv_cache.quantized or torch.is_grad_enabled():
+            return None
+        if q.is_cuda:
+            return self._fused_prologue_cuda(q, k, v, cos_sin, kv_cache, meta)
+        if q.numel() > layers.NORM_KERNEL_MAX_ELEMENTS:
             return None
         # (k, v and k_norm are None for a layer reusing another layer's K/V.)
         q_gain = None if self.q_norm is None else self.q_norm.kernel_gain()
@@ -411,6 +415,15 @@ class Attention(nn.Module):
         eps = self.q_norm.eps if self.q_norm is not None else 0.0
         cos, sin = cos_sin
         return norm_rope_write(q, k, v, q_gain, k_gain, eps, cos, sin, meta.slot_mapping, k_pool, v_pool)
+
+    def _fused_prologue_cuda(self, q, k, v, cos_sin, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor | None:
+        """The same prologue on CUDA: two Triton launches (kernels/triton_ops.py), the PyTorch
+        ops' roundings."""
+        k_pool, v_pool, _ = kv_cache.layer(self.layer) if self.computes_kv else (None, None, None)
+        q_norm = None if self.q_norm is None else (self.q_norm.weight, self.q_norm.eps, self.q_norm.offset)
+        k_norm = None if self.k_norm is None else (self.k_norm.weight, self.k_norm.eps, self.k_norm.offset)
+        cos, sin = cos_sin
+        return norm_rope_write_rows(q, k, v, q_norm, k_norm, cos, sin, meta.slot_mapping, k_pool, v_pool)
 
     def _attend_all(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """Rotated q [T, H, D] against the pool (this step's K/V already written) -> o_proj'd

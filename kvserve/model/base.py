@@ -185,12 +185,22 @@ def head_matmul(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 def stored_weight_bytes(model: nn.Module) -> int:
     """Bytes of every distinct stored tensor: parameters and persistent buffers (packed codes,
-    scales of quantized layers), a tied LM head once; non-persistent buffers (rotary tables) are
-    not weights."""
-    seen, total = set(), 0
+    scales of quantized layers), a tied LM head once, and views of one storage (fused q/k/v rows,
+    model/fused_linear.py) by the bytes they cover together; non-persistent buffers (rotary
+    tables) are not weights."""
+    spans: dict[int, list[tuple[int, int]]] = {}
     for t in model.state_dict(keep_vars=True).values():
-        key = (t.data_ptr(), t.numel())
-        if t.numel() and key not in seen:
-            seen.add(key)
-            total += t.numel() * t.element_size()
+        if t.numel():
+            start = t.data_ptr()
+            spans.setdefault(t.untyped_storage().data_ptr(), []).append((start, start + t.numel() * t.element_size()))
+    total = 0
+    for ranges in spans.values():  # the union of each storage's byte ranges
+        end = None
+        for a, b in sorted(ranges):
+            if end is None or a >= end:
+                total += b - a
+                end = b
+            elif b > end:
+                total += b - end
+                end = b
     return total

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.kernels import add_rms_norm as add_rms_norm_kernel
-from kvserve.kernels import gelu_tanh_mul
+from kvserve.kernels import gated_act_rows, gelu_tanh_mul, norm_rows, residual_norm_rows
 from kvserve.kernels import rms_norm as rms_norm_kernel
 from kvserve.model.config import RopeConfig
 from kvserve.model.panels import Panels, fused_panels
@@ -40,6 +40,10 @@ class RMSNorm(nn.Module):
         # F.rms_norm was slower still. Other dtypes and autograd take F.rms_norm (bitwise equal to
         # x * rsqrt(mean(x^2) + eps) [* w]).
         dtype, shape = x.dtype, (x.shape[-1],)
+        if x.is_cuda:  # one Triton kernel, the same roundings (kernels/triton_ops.py)
+            y = norm_rows(x, self.weight, self.eps, self.offset)
+            if y is not None:
+                return y
         if dtype == torch.float32 and x.numel() <= NORM_KERNEL_MAX_ELEMENTS and not torch.is_grad_enabled():
             y = rms_norm_kernel(x, self._offset_gain() if self.offset else self.weight, self.eps)
             if y is not None:
@@ -52,7 +56,13 @@ class RMSNorm(nn.Module):
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor, then: RMSNorm | None = None):
         """h = residual + self(x), the sandwich norm's residual add, and with `then` the pair
-        (h, then(h)); fp32 rows in one C call (the same numbers as the separate steps)."""
+        (h, then(h)); fp32 rows in one C call (the same numbers as the separate steps), CUDA rows
+        in one Triton kernel."""
+        if x.is_cuda and (then is None or (then.eps == self.eps and then.offset == self.offset)):
+            y = residual_norm_rows(x, residual, self.eps, self.offset, self.weight,
+                                   None if then is None else then.weight)
+            if y is not None:
+                return y
         if (x.dtype == torch.float32 and x.numel() <= NORM_KERNEL_MAX_ELEMENTS and not torch.is_grad_enabled()
                 and residual.dtype == torch.float32):
             gain = self.kernel_gain()
@@ -63,6 +73,15 @@ class RMSNorm(nn.Module):
                     return y
         h = residual + self(x)
         return h if then is None else (h, then(h))
+
+    def add_and_norm(self, residual: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pre-norm residual step: h = residual + x, and self(h); CUDA rows in one kernel."""
+        if x.is_cuda:
+            y = residual_norm_rows(x, residual, self.eps, self.offset, None, self.weight)
+            if y is not None:
+                return y
+        h = residual + x
+        return h, self(h)
 
     def kernel_gain(self) -> torch.Tensor | None:
         """The fp32 gain [dim] the C kernels multiply by ((1 + w) for Gemma), None if not fp32 CPU."""
@@ -180,6 +199,10 @@ class GatedMLP(nn.Module):
 
     def activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """act(gate) * up."""
+        if gate.is_cuda and (self.gelu_tanh or self.act is F.silu):
+            y = gated_act_rows(gate, up, self.gelu_tanh)
+            if y is not None:
+                return y
         if self.gelu_tanh and gate.dtype == torch.float32 and not torch.is_grad_enabled():
             y = gelu_tanh_mul(gate, up)
             if y is not None:

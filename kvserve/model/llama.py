@@ -26,8 +26,8 @@ class LlamaDecoderLayer(nn.Module):
         a, h = self.self_attn.with_residual(self.input_layernorm(h), h, cos_sin, kv_cache, meta, keep)
         if a.shape[0] == 0:  # no kept rows: the K/V write was all
             return a
-        h = h + a
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h, x = self.post_attention_layernorm.add_and_norm(h, a)  # h + a, and its norm
+        return h + self.mlp(x)
 
 
 class LlamaForCausalLM(CausalLM):

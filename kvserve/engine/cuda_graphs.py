@@ -1,0 +1,167 @@
+"""CUDA graphs of decode steps: one captured forward pass per batch-size bucket.
+
+A decode step of a small model on a GPU is a few hundred short kernels; launched one by one from
+Python, the launches, not the GPU, set the pace. A graph captured once per bucket (1, 2, 4, 8, then
+every multiple of 8 up to max_num_seqs, vLLM's scheme) replays all of them with one call.
+
+What a replay reads is fixed at capture: static input tensors (token ids, positions, the slots
+this step writes, block tables and context lengths per KV layer group). Each step fills them
+with one host-to-device copy per dtype from pinned buffers; rows past the step's batch are
+padding that writes its K/V into a page of its own (`pad_block`, outside the block manager's
+pool) and attends to that page alone. Attention's kernel reads the lengths from memory and has
+a fixed grid (kernels/triton_attention.py), so one graph serves every context length.
+
+The graph ends with the logits and their argmax: a greedy step copies back only the tokens.
+On another device nothing is captured and `run` calls the same step on the same static
+tensors eagerly: the tests hold that path to the engine's plain one on the CPU.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Sequence as Seq
+
+import torch
+
+from kvserve.model.attention import AttentionMetadata, DecodeBatch, KVCache
+from kvserve.model.base import CausalLM
+
+log = logging.getLogger(__name__)
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, 16, 24, ... up to max_num_seqs (which is always a bucket)."""
+    buckets = [b for b in (1, 2, 4) if b < max_num_seqs]
+    buckets += list(range(8, max_num_seqs, 8))
+    return buckets + [max_num_seqs]
+
+
+@dataclass
+class _Graph:
+    size: int  # B, the bucket
+    graph: torch.cuda.CUDAGraph | None  # None off CUDA: the step runs eagerly
+    longs: torch.Tensor  # [2 + G, B] int64 on the device: token ids, positions, slots per group
+    ints: torch.Tensor  # [B + G * B * W] int32 on the device: lengths, then block tables [G, B, W]
+    host_longs: torch.Tensor  # pinned mirrors of the two
+    host_ints: torch.Tensor
+    logits: torch.Tensor  # [B, vocab] outputs of the last replay
+    tokens: torch.Tensor  # [B] int64
+    copied: torch.cuda.Event | None  # recorded after the copies out of the pinned buffers
+
+
+class DecodeGraphs:
+    """Captured decode steps of `model` over `kv_cache`, for batches of up to max_num_seqs."""
+
+    def __init__(self, model: CausalLM, kv_cache: KVCache, block_size: int, max_model_len: int,
+                 max_num_seqs: int, pad_block: int):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.groups = kv_cache.num_groups
+        self.width = -(-max_model_len // block_size)  # block table entries a sequence can use
+        self.pad_block = pad_block
+        self.device = next(model.parameters()).device
+        self.cuda = self.device.type == "cuda"
+        self.buckets = batch_buckets(max_num_seqs)
+        self.graphs: dict[int, _Graph] = {}
+        self.pool = None
+
+    def capture(self) -> None:
+        """Capture every bucket, largest first (the smaller ones reuse its memory pool)."""
+        self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
+        for b in reversed(self.buckets):
+            self.graphs[b] = self._capture(b)
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def applies(self, inputs: Seq) -> bool:
+        """A plain decode step: one token and one logit row per sequence, few enough sequences."""
+        return (0 < len(inputs) <= self.buckets[-1]
+                and all(len(i.token_ids) == 1 and i.needs_logits and i.num_logits == 1 for i in inputs))
+
+    def run(self, inputs: Seq) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the step's bucket: (argmax tokens [n], logits [n, vocab]), views of the graph's
+        outputs, valid until the next replay."""
+        n = len(inputs)
+        g = self.graphs[next(b for b in self.buckets if b >= n)]
+        self._fill(g, inputs)
+        if g.graph is None:
+            g.logits, g.tokens = self._step(g.longs, g.ints, g.size)
+            return g.tokens[:n], g.logits[:n]
+        g.longs.copy_(g.host_longs, non_blocking=True)
+        g.ints.copy_(g.host_ints, non_blocking=True)
+        g.copied.record()
+        g.graph.replay()
+        return g.tokens[:n], g.logits[:n]
+
+    # ------------------------------------------------------------------ internals
+    def _fill(self, g: _Graph, inputs: Seq) -> None:
+        """Write the step into the pinned buffers. Table columns past a sequence's blocks keep
+        stale values: attention never reads past its length."""
+        if g.copied is not None:
+            g.copied.synchronize()  # the last step's copies have read the buffers
+        longs, ints = g.host_longs.numpy(), g.host_ints.numpy()
+        B, bs, G, W = longs.shape[1], self.block_size, self.groups, self.width
+        tables = ints[B:].reshape(G, B, W)
+        for i, inp in enumerate(inputs):
+            pos = inp.start_pos
+            longs[0, i] = inp.token_ids[0]
+            longs[1, i] = pos
+            ints[i] = pos + 1
+            blk, off = divmod(pos, bs)
+            for grp, table in enumerate(inp.tables):
+                used = min(len(table), W)
+                tables[grp, i, :used] = table[:used]
+                longs[2 + grp, i] = table[blk] * bs + off
+        n = len(inputs)
+        if n < B:  # padding rows: their own page, a context of one position
+            longs[0, n:] = 0
+            longs[1, n:] = 0
+            longs[2:, n:] = self.pad_block * bs
+            ints[n:B] = 1
+            tables[:, n:, 0] = self.pad_block
+
+    def _metadata(self, longs: torch.Tensor, ints: torch.Tensor, B: int) -> AttentionMetadata:
+        """Attention metadata over the static tensors (new objects: DecodeBatch caches tensors
+        derived from the lengths, which must be computed inside the graph)."""
+        G, W = self.groups, self.width
+        lens = ints[:B]
+        tables = ints[B:].view(G, B, W)
+        rows = torch.arange(B, device=self.device)
+        metas = [AttentionMetadata(slot_mapping=longs[2 + grp], seqs=[],
+                                   decode=DecodeBatch(rows=rows, block_tables=tables[grp], lens=lens,
+                                                      block_size=self.block_size, max_len=None))
+                 for grp in range(G)]
+        if G == 1:
+            return metas[0]
+        first = metas[0]
+        return AttentionMetadata(slot_mapping=first.slot_mapping, seqs=[], decode=first.decode, groups=metas)
+
+    def _step(self, longs: torch.Tensor, ints: torch.Tensor, B: int) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.model(longs[0], longs[1], self.kv_cache, self._metadata(longs, ints, B))
+        logits = self.model.compute_logits(hidden, upcast=False)
+        return logits, logits.argmax(dim=-1)
+
+    def _capture(self, B: int) -> _Graph:
+        G, W = self.groups, self.width
+        host_longs = torch.zeros(2 + G, B, dtype=torch.int64)
+        host_ints = torch.zeros(B + G * B * W, dtype=torch.int32)
+        if not self.cuda:  # the eager stand-in: the static tensors are the host buffers
+            graph = _Graph(B, None, host_longs, host_ints, host_longs, host_ints, None, None, None)
+            self._fill(graph, [])
+            return graph
+        host_longs, host_ints = host_longs.pin_memory(), host_ints.pin_memory()
+        longs, ints = host_longs.to(self.device), host_ints.to(self.device)
+        graph = _Graph(B, torch.cuda.CUDAGraph(), longs, ints, host_longs, host_ints, None, None, torch.cuda.Event())
+        self._fill(graph, [])  # every row padding
+        longs.copy_(host_longs)
+        ints.copy_(host_ints)
+        with torch.inference_mode():
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS picks its kernels
+                self._step(longs, ints, B)
+            torch.cuda.current_stream().wait_stream(side)
+            with torch.cuda.graph(graph.graph, pool=self.pool):
+                graph.logits, graph.tokens = self._step(longs, ints, B)
+        return graph

@@ -1,0 +1,246 @@
+"""Paged attention on CUDA as Triton kernels: K/V read in place through the block tables.
+
+Two kernels, the GPU counterparts of paged_attention.c and prefill_attention.c:
+
+- `paged_decode`: one query token per sequence. Each program takes one (sequence, KV head,
+  part) and walks a contiguous part of that sequence's attended positions [start, len), scoring
+  the G query heads that share the KV head against every K row (GQA/MQA without repeated K/V).
+  The parts' (max, sum, weighted V) are merged by a second kernel (flash-decoding), so batch-1
+  decode spreads one context over many SMs. The number of parts is fixed per call and each
+  program derives its range from `lens` in memory: a CUDA graph captured once replays for any
+  context length.
+- `paged_prefill`: one sequence's chunk of queries against its context, read through its slots
+  (`SeqAttention.ctx_slots`), under the causal and sliding-window predicates.
+
+Arithmetic is fp32 (dot products in IEEE fp32, no TF32), whatever the pool's dtype; bf16 pools
+are read as bf16 and widened in registers. Under TRITON_INTERPRET=1 the same kernels run on the
+CPU (numpy), which is how the tests hold them to the reference attention without a GPU.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+# Positions per inner tile (a part covers a whole number of tiles); 32 for head_dim 256, so
+# K and V tiles in fp32 stay within shared memory.
+BLOCK_N = 64
+STAGES = 2
+# Query rows per prefill program.
+BLOCK_M = 32
+# Decode parts per (sequence, KV head) aim for this many programs per SM.
+PROGRAMS_PER_SM = 2
+MAX_PARTS = 32
+
+
+@triton.jit
+def _decode_part_kernel(
+    q_ptr, k_ptr, v_ptr, tables_ptr, starts_ptr, lens_ptr,
+    part_out_ptr, part_m_ptr, part_l_ptr,
+    scale,
+    stride_qb, stride_qh,
+    stride_ks, stride_kh,
+    stride_vs, stride_vh,
+    stride_tb,
+    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, PARTS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    part = tl.program_id(2)
+    start = tl.load(starts_ptr + b)
+    length = tl.load(lens_ptr + b)
+    # This part's positions: a contiguous run of whole tiles of [start, length).
+    span = length - start
+    per_part = tl.cdiv(tl.cdiv(span, PARTS), BLOCK_N) * BLOCK_N
+    lo = start + part * per_part
+    hi = tl.minimum(lo + per_part, length)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kvh * G + g
+    g_ok = g < G
+    d_ok = d < D
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    for tile in range(lo, hi, BLOCK_N):
+        pos = tile + n
+        ok = pos < hi
+        block = tl.load(tables_ptr + b * stride_tb + pos // BLOCK_SIZE, mask=ok, other=0)
+        slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+        kv_ok = ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=kv_ok, other=0.0)
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale  # [BLOCK_G, BLOCK_N]
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=kv_ok, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        l = l * alpha + tl.sum(p, axis=1)
+        m = m_new
+    # Partials [B, H, PARTS, (D)]; an empty part leaves m = -inf, l = 0.
+    row = (b * H + heads) * PARTS + part
+    tl.store(part_m_ptr + row, m, mask=g_ok)
+    tl.store(part_l_ptr + row, l, mask=g_ok)
+    tl.store(part_out_ptr + row[:, None] * D + d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_out_ptr, part_m_ptr, part_l_ptr, out_ptr,
+    stride_ob, stride_oh,
+    H: tl.constexpr, D: tl.constexpr, PARTS: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    parts = tl.arange(0, PARTS)
+    d = tl.arange(0, BLOCK_D)
+    row = (b * H + h) * PARTS + parts
+    m = tl.load(part_m_ptr + row)
+    l = tl.load(part_l_ptr + row)
+    m_all = tl.max(m, axis=0)
+    w = tl.where(l > 0, tl.exp(m - m_all), 0.0)  # empty parts weigh nothing
+    acc = tl.load(part_out_ptr + row[:, None] * D + d[None, :], mask=d[None, :] < D, other=0.0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+@triton.jit(do_not_specialize=["T", "first_kv", "first_q", "window"])  # one compile for every chunk
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, slots_ptr, out_ptr,
+    T, first_kv, first_q, window, scale,
+    stride_qt, stride_qh,
+    stride_ks, stride_kh,
+    stride_vs, stride_vh,
+    stride_ot, stride_oh,
+    G: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    mb = tl.program_id(0)
+    h = tl.program_id(1)
+    kvh = h // G
+    t = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    t_ok = t < T
+    d_ok = d < D
+    q = tl.load(q_ptr + t[:, None] * stride_qt + h * stride_qh + d[None, :],
+                mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    q_pos = first_q + t
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # Keys this block of queries can see: [lo, hi) (causal end; window start when windowed).
+    # (No runtime `if` reassigning a scalar: an argument equal to 1 is specialised to a constant.)
+    q_first = first_q + mb * BLOCK_M
+    hi = tl.minimum(q_first + BLOCK_M, first_q + T)
+    windowed = window > 0
+    lo = tl.maximum(first_kv, tl.where(windowed, q_first - window + 1, first_kv))
+    lo = lo - (lo - first_kv) % BLOCK_N  # tiles aligned to the slots array
+    n = tl.arange(0, BLOCK_N)
+    for tile in range(lo, hi, BLOCK_N):
+        pos = tile + n
+        ok = pos < hi
+        slot = tl.load(slots_ptr + (pos - first_kv), mask=ok, other=0)
+        kv_ok = ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=kv_ok, other=0.0)
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale  # [BLOCK_M, BLOCK_N]
+        see = (pos[None, :] <= q_pos[:, None]) & ok[None, :]
+        see = see & ((pos[None, :] > q_pos[:, None] - window) | (window <= 0))
+        s = tl.where(see, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        # A row that has seen nothing yet keeps m = -inf: shift by 0 there, not by -inf.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=kv_ok, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        l = l * alpha + tl.sum(p, axis=1)
+        m = m_new
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(out_ptr + t[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=t_ok[:, None] & d_ok[None, :])
+
+
+def _block_n(head_dim: int) -> int:
+    return BLOCK_N if head_dim <= 128 else 32
+
+
+def _pow2(n: int, least: int = 1) -> int:
+    return max(least, triton.next_power_of_2(n))
+
+
+@lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # the interpreter on the CPU: any small number of programs
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_parts(batch: int, kv_heads: int, max_len: int | None, device: torch.device) -> int:
+    """Parts per (sequence, KV head): enough programs to fill the SMs, never more than a context of
+    max_len positions has tiles (max_len None: a graph's unknown lengths)."""
+    sms = _num_sms(device)
+    parts = -(-PROGRAMS_PER_SM * sms // (batch * kv_heads))
+    if max_len is not None:
+        parts = min(parts, -(-max_len // BLOCK_N))  # (64 positions a part at least)
+    return min(MAX_PARTS, _pow2(parts))
+
+
+def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
+                 starts: torch.Tensor, lens: torch.Tensor, block_size: int, scale: float,
+                 max_len: int | None = None, parts: int | None = None) -> torch.Tensor:
+    """q [B, H, D]; k_pool, v_pool [slots, KVH, D]; tables [B, max_blocks] int32; starts, lens [B]
+    int32 (sequence b attends positions [starts[b], lens[b])) -> [B, H, D] in q's dtype.
+
+    `parts` (default: from the batch and max_len) fixes the grid; nothing else depends on the
+    lengths' values, so the call can be captured in a CUDA graph."""
+    B, H, D = q.shape
+    kvh = k_pool.shape[1]
+    G = H // kvh
+    if parts is None:
+        parts = decode_parts(B, kvh, max_len, q.device)
+    out = torch.empty_like(q)
+    if B == 0:
+        return out
+    part_out = torch.empty(B * H * parts, D, dtype=torch.float32, device=q.device)
+    part_m = torch.empty(B * H * parts, dtype=torch.float32, device=q.device)
+    part_l = torch.empty_like(part_m)
+    block_d = _pow2(D, 16)
+    _decode_part_kernel[(B, kvh, parts)](
+        q, k_pool, v_pool, tables, starts, lens, part_out, part_m, part_l, scale,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+        tables.stride(0), H=H, G=G, D=D, BLOCK_G=_pow2(G, 16), BLOCK_D=block_d, BLOCK_N=_block_n(D),
+        BLOCK_SIZE=block_size, PARTS=parts, num_stages=STAGES)
+    _decode_merge_kernel[(B, H)](part_out, part_m, part_l, out, out.stride(0), out.stride(1),
+                                 H=H, D=D, PARTS=parts, BLOCK_D=block_d)
+    return out
+
+
+def paged_prefill(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
+                  first_kv: int, first_q: int, window: int | None, scale: float,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """One sequence's queries q [T, H, D] (query t at position first_q + t) against the pool
+    through slots [n] int64 (slots[j] holds position first_kv + j); query position x attends p in
+    [first_kv, x], and p > x - window with a window. out: [T, H, D] to write into (any strides
+    with unit stride on D). -> [T, H, D]."""
+    T, H, D = q.shape
+    G = H // k_pool.shape[1]
+    if out is None:
+        out = torch.empty_like(q)
+    if T == 0:
+        return out
+    block_m = min(BLOCK_M, _pow2(T, 16))
+    _prefill_kernel[(triton.cdiv(T, block_m), H)](
+        q, k_pool, v_pool, slots, out, T, first_kv, first_q, window or 0, scale,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+        out.stride(0), out.stride(1), G=G, D=D, BLOCK_M=block_m, BLOCK_N=_block_n(D), BLOCK_D=_pow2(D, 16),
+        num_stages=STAGES)
+    return out

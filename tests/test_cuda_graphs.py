@@ -1,0 +1,94 @@
+"""Decode steps through the CUDA-graph runner (kvserve/engine/cuda_graphs.py).
+
+Off CUDA the runner captures nothing and runs the same step eagerly on the same static tensors
+(pinned-buffer layout, padding rows writing into their own page, block tables with stale tails,
+metadata built over the static tensors). Here it is switched on for CPU engines and held to the
+plain engine's outputs: greedy and seeded sampling, batches that need padding, the Gemma model's
+six KV layer groups. On an H200 the check script (benchmarks/cuda_check.py) compares the captured
+graphs' greedy tokens with the CPU engine's."""
+from __future__ import annotations
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.engine.cuda_graphs import DecodeGraphs, batch_buckets
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.loading import load_model
+from tests.tiny_models import make_model
+
+
+def test_buckets():
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(6) == [1, 2, 4, 6]
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]
+
+
+@pytest.fixture
+def graphs_on_cpu(monkeypatch):
+    """Engines built inside use the graph runner on the CPU; yields the list of replayed step sizes."""
+    monkeypatch.setattr(LLMEngine, "_cuda_graphs_apply", lambda self: self._cuda_graphs_fit())
+    sizes: list[int] = []
+    run = DecodeGraphs.run
+
+    def counted(self, inputs):
+        sizes.append(len(inputs))
+        return run(self, inputs)
+
+    monkeypatch.setattr(DecodeGraphs, "run", counted)
+    return sizes
+
+
+def _outputs(llm: LLM, prompts, params) -> list[list[list[int]]]:
+    return [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)]
+
+
+PARAMS = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+          SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True, logprobs=2),
+          SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)]
+
+
+def test_gemma_graph_steps_equal_the_plain_engine(gemma, graphs_on_cpu):
+    prompts = ["The capital of France is", "Paged attention", "1, 2, 3, 4,", "Once upon a time"]
+    plain = LLM(loaded=gemma, kv_cache_gib=0.25, max_num_seqs=6)
+    want = _outputs(plain, prompts[:3], PARAMS)
+    graphed = LLM(loaded=gemma, kv_cache_gib=0.25, max_num_seqs=6)
+    engine = graphed.engine
+    assert engine.runner.graphs is not None and engine.kv_cache.num_groups == 6
+    # The padding page lies past the block manager's pool.
+    assert engine.kv_cache.num_slots == (engine.num_blocks + 1) * engine.config.block_size
+    assert _outputs(graphed, prompts[:3], PARAMS) == want
+    assert {2, 3} <= set(graphs_on_cpu)  # a padded bucket (3 of 4), then two after the short one ends
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert _outputs(graphed, prompts, greedy) == _outputs(plain, prompts, greedy)
+    assert engine.block_manager.num_free_blocks == engine.num_blocks
+
+
+def test_llama_graph_steps_equal_the_plain_engine(tmp_path, graphs_on_cpu, one_thread):
+    make_model("llama", tmp_path)
+    loaded = load_model(tmp_path)
+    prompts = [[2, 5, 6, 7], [2, 9], [2, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46],
+               [2, 11, 12], [2, 100]]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)  # past several blocks
+    want = _outputs(LLM(loaded=loaded, kv_cache_gib=0.01, max_num_seqs=8), prompts, params)
+    graphed = LLM(loaded=loaded, kv_cache_gib=0.01, max_num_seqs=8)
+    assert _outputs(graphed, prompts, params) == want
+    assert 5 in graphs_on_cpu
+
+
+def test_enforce_eager_and_other_steps_skip_the_graphs(gemma, graphs_on_cpu):
+    eager = LLM(loaded=gemma, kv_cache_gib=0.25, max_num_seqs=4, enforce_eager=True)
+    assert eager.engine.runner.graphs is None
+    assert eager.engine.kv_cache.num_slots == eager.engine.num_blocks * eager.engine.config.block_size
+    quantized_kv = LLM(loaded=gemma, kv_cache_gib=0.25, max_num_seqs=4, kv_cache_dtype="int8")
+    assert quantized_kv.engine.runner.graphs is None  # the dequantizing path syncs: not capturable
+    # Speculative verification steps (several logit rows a sequence) run eagerly.
+    spec = LLM(loaded=gemma, kv_cache_gib=0.25, max_num_seqs=4, speculative="ngram", num_speculative_tokens=2)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    want = _outputs(LLM(loaded=gemma, kv_cache_gib=0.25, max_num_seqs=4), ["a b a b a b a b"], params)
+    assert _outputs(spec, ["a b a b a b a b"], params) == want
+
+
+def test_enforce_eager_must_be_a_bool():
+    with pytest.raises(ValueError, match="enforce_eager"):
+        LLM(enforce_eager="yes")
