@@ -79,7 +79,7 @@ def test_paged_decode_matches_reference(H, KVH, D, bs, lens, window, dtype):
         torch.testing.assert_close(out[b].double(), want, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("parts", [1, 2, 8, 32])
+@pytest.mark.parametrize("parts", [1, 2, 3, 8, 32])
 def test_paged_decode_any_number_of_parts(parts):
     """A CUDA graph fixes the grid (parts) while the lengths change: every part count, more parts
     than a short context has tiles included, gives the same attention."""

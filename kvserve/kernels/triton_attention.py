@@ -35,7 +35,7 @@ PROGRAMS_PER_SM = 2
 MAX_PARTS = 32
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["parts"])  # one compile for every part count
 def _decode_part_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, starts_ptr, lens_ptr,
     part_out_ptr, part_m_ptr, part_l_ptr,
@@ -43,10 +43,10 @@ def _decode_part_kernel(
     stride_qb, stride_qh,
     stride_ks, stride_kh,
     stride_vs, stride_vh,
-    stride_tb,
+    stride_tb, parts,
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, PARTS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -55,7 +55,7 @@ def _decode_part_kernel(
     length = tl.load(lens_ptr + b)
     # This part's positions: a contiguous run of whole tiles of [start, length).
     span = length - start
-    per_part = tl.cdiv(tl.cdiv(span, PARTS), BLOCK_N) * BLOCK_N
+    per_part = tl.cdiv(tl.cdiv(span, parts), BLOCK_N) * BLOCK_N
     lo = start + part * per_part
     hi = tl.minimum(lo + per_part, length)
 
@@ -86,29 +86,30 @@ def _decode_part_kernel(
         acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         l = l * alpha + tl.sum(p, axis=1)
         m = m_new
-    # Partials [B, H, PARTS, (D)]; an empty part leaves m = -inf, l = 0.
-    row = (b * H + heads) * PARTS + part
+    # Partials [B, H, parts, (D)]; an empty part leaves m = -inf, l = 0.
+    row = (b * H + heads) * parts + part
     tl.store(part_m_ptr + row, m, mask=g_ok)
     tl.store(part_l_ptr + row, l, mask=g_ok)
     tl.store(part_out_ptr + row[:, None] * D + d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["parts"])
 def _decode_merge_kernel(
     part_out_ptr, part_m_ptr, part_l_ptr, out_ptr,
-    stride_ob, stride_oh,
-    H: tl.constexpr, D: tl.constexpr, PARTS: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_ob, stride_oh, parts,
+    H: tl.constexpr, D: tl.constexpr, MAX_PARTS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    parts = tl.arange(0, PARTS)
+    p = tl.arange(0, MAX_PARTS)
     d = tl.arange(0, BLOCK_D)
-    row = (b * H + h) * PARTS + parts
-    m = tl.load(part_m_ptr + row)
-    l = tl.load(part_l_ptr + row)
+    p_ok = p < parts
+    row = (b * H + h) * parts + p
+    m = tl.load(part_m_ptr + row, mask=p_ok, other=float("-inf"))
+    l = tl.load(part_l_ptr + row, mask=p_ok, other=0.0)
     m_all = tl.max(m, axis=0)
     w = tl.where(l > 0, tl.exp(m - m_all), 0.0)  # empty parts weigh nothing
-    acc = tl.load(part_out_ptr + row[:, None] * D + d[None, :], mask=d[None, :] < D, other=0.0)
+    acc = tl.load(part_out_ptr + row[:, None] * D + d[None, :], mask=p_ok[:, None] & (d[None, :] < D), other=0.0)
     out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
@@ -207,6 +208,8 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ta
     G = H // kvh
     if parts is None:
         parts = decode_parts(B, kvh, max_len, q.device)
+    if not 1 <= parts <= MAX_PARTS:
+        raise ValueError(f"parts must be in [1, {MAX_PARTS}], got {parts}")
     out = torch.empty_like(q)
     if B == 0:
         return out
@@ -217,10 +220,10 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ta
     _decode_part_kernel[(B, kvh, parts)](
         q, k_pool, v_pool, tables, starts, lens, part_out, part_m, part_l, scale,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-        tables.stride(0), H=H, G=G, D=D, BLOCK_G=_pow2(G, 16), BLOCK_D=block_d, BLOCK_N=_block_n(D),
-        BLOCK_SIZE=block_size, PARTS=parts, num_stages=STAGES)
-    _decode_merge_kernel[(B, H)](part_out, part_m, part_l, out, out.stride(0), out.stride(1),
-                                 H=H, D=D, PARTS=parts, BLOCK_D=block_d)
+        tables.stride(0), parts, H=H, G=G, D=D, BLOCK_G=_pow2(G, 16), BLOCK_D=block_d, BLOCK_N=_block_n(D),
+        BLOCK_SIZE=block_size, num_stages=STAGES)
+    _decode_merge_kernel[(B, H)](part_out, part_m, part_l, out, out.stride(0), out.stride(1), parts,
+                                 H=H, D=D, MAX_PARTS=MAX_PARTS, BLOCK_D=block_d)
     return out
 
 
