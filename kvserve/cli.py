@@ -86,6 +86,10 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_serve_parser(sub) -> None:
+    from kvserve.server.limits import (DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_SEQS,
+                                       DEFAULT_MAX_STOP, DEFAULT_MAX_STOP_CHARS, DEFAULT_MAX_STOP_TOKEN_IDS,
+                                       DEFAULT_MAX_TOKENS)
+
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     srv.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
                      help="GGUF file or HF folder (default: bundled Gemma 3 270M); same as --model")
@@ -95,9 +99,24 @@ def _add_serve_parser(sub) -> None:
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
-    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    srv.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on /v1 routes (visible in ps: prefer the next two)")
+    srv.add_argument("--api-key-file", default=None, help="the API key from the first line of this file")
     srv.add_argument("--max-queue", type=int, default=None, help="waiting requests before answering 429 (1024)")
     srv.add_argument("--max-body-bytes", type=positive_int, default=None, help="larger request bodies get 413 (4 MiB)")
+    lim = srv.add_argument_group("what one request may ask for (past a limit: a 400 naming the field)")
+    lim.add_argument("--max-n", type=positive_int, default=DEFAULT_MAX_N, help="samples per prompt, n (%(default)s)")
+    lim.add_argument("--max-stop", type=positive_int, default=DEFAULT_MAX_STOP, help="stop strings (%(default)s)")
+    lim.add_argument("--max-stop-chars", type=positive_int, default=DEFAULT_MAX_STOP_CHARS,
+                     help="characters per stop string (%(default)s)")
+    lim.add_argument("--max-stop-token-ids", type=positive_int, default=DEFAULT_MAX_STOP_TOKEN_IDS,
+                     help="stop_token_ids (%(default)s)")
+    lim.add_argument("--max-json-depth", type=positive_int, default=DEFAULT_MAX_JSON_DEPTH,
+                     help="nesting of the JSON body (%(default)s)")
+    lim.add_argument("--max-request-seqs", type=positive_int, default=DEFAULT_MAX_REQUEST_SEQS,
+                     help="sequences of one request, prompts x n (%(default)s)")
+    lim.add_argument("--max-tokens-default", type=positive_int, default=DEFAULT_MAX_TOKENS,
+                     help="output tokens of a request that sets no max_tokens (%(default)s)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="on SIGTERM, seconds in-flight requests get to finish before they are aborted")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -349,7 +368,8 @@ def cmd_distill(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvserve.config import EngineConfig
-    from kvserve.server.launch import ServeOptions, serve
+    from kvserve.server.launch import ServeOptions, resolve_api_key, serve
+    from kvserve.server.limits import RequestLimits
 
     if args.model_path and args.model and args.model_path != args.model:
         raise ValueError(f"two models given: {args.model_path!r} and --model {args.model!r}")
@@ -358,10 +378,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           max_model_len=args.max_model_len, num_threads=args.threads,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           **decoding_config(args))
-    limits = {k: getattr(args, k) for k in ("max_queue", "max_body_bytes") if getattr(args, k) is not None}
+    server_limits = {k: getattr(args, k) for k in ("max_queue", "max_body_bytes") if getattr(args, k) is not None}
     opts = ServeOptions(host=args.host, port=args.port, served_model_name=args.served_model_name,
-                        api_key=args.api_key, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
-                        **limits)
+                        api_key=resolve_api_key(args.api_key, args.api_key_file),
+                        shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
+                        limits=RequestLimits(max_n=args.max_n, max_stop=args.max_stop, max_stop_chars=args.max_stop_chars,
+                                             max_stop_token_ids=args.max_stop_token_ids,
+                                             max_json_depth=args.max_json_depth,
+                                             max_request_seqs=args.max_request_seqs,
+                                             max_tokens_default=args.max_tokens_default),
+                        **server_limits)
     return serve(config, opts)
 
 

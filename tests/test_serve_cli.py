@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from kvserve.cli import main
+from kvserve.server.launch import resolve_api_key
 from tests.server_harness import free_socket
 
 pytestmark = pytest.mark.slow
@@ -75,8 +76,26 @@ def test_sigterm_lets_the_in_flight_stream_finish_and_exits_0():
     (["serve", "--shutdown-timeout", "-5"], "--shutdown-timeout"),
     (["serve", "a.gguf", "--model", "b.gguf"], "two models"),
     (["serve", "--api-key", ""], "--api-key"),
+    (["serve", "--api-key-file", "/nonexistent/kvserve-key"], "--api-key-file /nonexistent/kvserve-key"),
+    (["serve", "--api-key", "k", "--api-key-file", "f"], "not both"),
+    (["serve", "--max-n", "129"], "--max-n"),
 ])
 def test_bad_serve_flags_exit_2(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvserve: error:") and message in err
+
+
+def test_api_key_sources(tmp_path):
+    """--api-key-file (first line) or $KVSERVE_API_KEY keep the key out of `ps`; the flag still works."""
+    key_file = tmp_path / "key"
+    key_file.write_text("s3cret\nignored\n")
+    assert resolve_api_key(None, str(key_file), env={}) == "s3cret"
+    assert resolve_api_key(None, None, env={"KVSERVE_API_KEY": " from-env "}) == "from-env"
+    assert resolve_api_key("flag", None, env={"KVSERVE_API_KEY": "from-env"}) == "flag"
+    assert resolve_api_key(None, None, env={}) is None
+    (tmp_path / "empty").write_text("\n")
+    for args, message in [((None, str(tmp_path / "empty")), "first line is empty"),
+                          ((None, None), "KVSERVE_API_KEY is set but empty")]:
+        with pytest.raises(ValueError, match=message):
+            resolve_api_key(*args, env={"KVSERVE_API_KEY": "  "})

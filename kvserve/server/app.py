@@ -23,6 +23,7 @@ from kvserve.server.chat_template import chat_template_for
 from kvserve.server.completions import create_completion
 from kvserve.server.errors import APIError, error_body, install_handlers
 from kvserve.server.gateway import Gateway
+from kvserve.server.limits import RequestLimits
 from kvserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from kvserve.server.state import ServerState
@@ -37,14 +38,15 @@ _PLACEHOLDER = ("<!doctype html><title>kvserve</title><h1>kvserve</h1><p>OpenAI-
 
 
 def build_app(engine: AsyncLLMEngine | LLMEngine, served_model_name: str, api_key: str | None = None,
-              max_queue: int = DEFAULT_MAX_QUEUE, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_queue: int = DEFAULT_MAX_QUEUE, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              limits: RequestLimits | None = None) -> FastAPI:
     async_engine = engine if isinstance(engine, AsyncLLMEngine) else AsyncLLMEngine(engine)
     metrics = ServerMetrics(async_engine.stats, served_model_name)
     if async_engine.observer is None:
         async_engine.observer = metrics
     core = async_engine.engine
     state = ServerState(async_engine, served_model_name, chat_template_for(core.model_config, core.tokenizer),
-                        metrics, api_key, max_queue, max_body_bytes)
+                        metrics, api_key, max_queue, max_body_bytes, limits or RequestLimits())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -64,12 +66,12 @@ def build_app(engine: AsyncLLMEngine | LLMEngine, served_model_name: str, api_ke
 def _add_api_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = await parse_body(request, CompletionRequest)
+        body = await parse_body(request, CompletionRequest, state.limits)
         return await _guarded(request, create_completion(state, request, body))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = await parse_body(request, ChatCompletionRequest)
+        body = await parse_body(request, ChatCompletionRequest, state.limits)
         return await _guarded(request, create_chat_completion(state, request, body))
 
     def card() -> ModelCard:

@@ -3,7 +3,8 @@
 Parsed by hand rather than by FastAPI's body injection so that each failure gets its own
 clear status and message: wrong Content-Type (415), bytes that are not UTF-8, text that is
 not JSON (including NaN/Infinity, which Python's json would accept), JSON that is not an
-object (400), and pydantic's validation errors (400 with `param`).
+object or nests deeper than the server allows (400), and pydantic's validation errors (400 with
+`param`).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from kvserve.server.errors import APIError, from_validation_error
+from kvserve.server.limits import RequestLimits
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -24,8 +26,9 @@ def _reject_constant(name: str) -> float:
 
 def _check_content_type(request: Request) -> None:
     ctype = request.headers.get("content-type")
-    if ctype is None:
-        return  # lenient: curl without -H still sends JSON
+    if ctype is None:  # (curl -d sends a form type unless told: -H 'Content-Type: application/json')
+        raise APIError(415, "Content-Type must be application/json, and the request has none", None,
+                       "unsupported_media_type")
     media = ctype.split(";", 1)[0].strip().lower()
     if media != "application/json" and not media.endswith("+json"):
         raise APIError(415, f"Content-Type must be application/json, got {ctype!r}", None, "unsupported_media_type")
@@ -40,7 +43,7 @@ def _check_unicode(obj: dict) -> None:
                        None, "invalid_encoding") from None
 
 
-async def parse_body(request: Request, model: type[M]) -> M:
+async def parse_body(request: Request, model: type[M], limits: RequestLimits) -> M:
     _check_content_type(request)
     raw = await request.body()
     try:
@@ -53,6 +56,7 @@ async def parse_body(request: Request, model: type[M]) -> M:
         raise APIError(400, f"request body is not valid JSON: {e}", None, "invalid_json") from None
     if not isinstance(obj, dict):
         raise APIError(400, f"request body must be a JSON object, got {type(obj).__name__}", None, "invalid_json")
+    limits.check_depth(obj)  # before anything recurses over it
     _check_unicode(obj)
     try:
         return model.model_validate(obj)

@@ -39,10 +39,13 @@ async def create_chat_completion(state: ServerState, request: Request, req: Chat
     arrival = state.engine.clock()
     state.check_model(req.model)
     rename = {"max_tokens": req.max_tokens_field, "logprobs": "top_logprobs"}
+    state.limits.check(req.n, req.stop, req.stop_token_ids)
     params = sampling_params(req, req.max_new_tokens, (req.top_logprobs or 0) if req.logprobs else None, rename)
+    state.admit(req.n)  # before rendering and tokenizing
     ids = await _prompt_ids(state, req)
     check_context(len(ids), params.max_tokens, state.max_model_len, "messages", req.max_tokens_field)
-    state.admit()
+    params.max_tokens = state.limits.default_max_tokens(params.max_tokens, len(ids), state.max_model_len,
+                                                        params.min_tokens)
     job = _Job(state, req, params, arrival)
     try:
         stream = state.engine.generate(ids, params, job.id, job.arrival_time)

@@ -37,11 +37,15 @@ class _Job(Job):
 async def create_completion(state: ServerState, request: Request, req: CompletionRequest) -> Response:
     arrival = state.engine.clock()
     state.check_model(req.model)
+    state.limits.check(req.n, req.stop, req.stop_token_ids, num_prompts=len(req.prompts))
     params = sampling_params(req, req.max_tokens, req.logprobs)
+    state.admit(len(req.prompts) * req.n)  # before tokenizing: a request refused costs nothing
     prompts = [await _tokenize(state, p) for p in req.prompts]
     for ids in prompts:
         check_context(len(ids), params.max_tokens, state.max_model_len, "prompt", "max_tokens")
-    state.admit(len(prompts))
+    if params.max_tokens is None:  # an explicit null: the server default, within every prompt's room
+        params.max_tokens = min(state.limits.default_max_tokens(None, len(ids), state.max_model_len, params.min_tokens)
+                                for ids in prompts)
     job = _Job(state, req, params, arrival)
     streams = _submit(state, job, prompts)
     if req.stream:

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
@@ -21,6 +23,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.async_engine import AsyncLLMEngine
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.server.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, build_app
+from kvserve.server.limits import RequestLimits
 from kvserve.server.state import ServerState
 
 log = logging.getLogger(__name__)
@@ -35,6 +38,7 @@ class ServeOptions:
     api_key: str | None = None
     max_queue: int = DEFAULT_MAX_QUEUE
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    limits: RequestLimits = field(default_factory=RequestLimits)
     shutdown_timeout: float = 30.0
     log_level: str = "info"
 
@@ -82,13 +86,35 @@ def serve(config: EngineConfig, opts: ServeOptions) -> int:
     engine = LLMEngine(config)
     name = opts.served_model_name or (str(config.model) if config.model is not None else DEFAULT_MODEL_NAME)
     app = build_app(AsyncLLMEngine(engine), name, api_key=opts.api_key, max_queue=opts.max_queue,
-                    max_body_bytes=opts.max_body_bytes)
+                    max_body_bytes=opts.max_body_bytes, limits=opts.limits)
     uv_config = uvicorn.Config(app, host=opts.host, port=opts.port, log_level=opts.log_level,
                                timeout_graceful_shutdown=5, timeout_keep_alive=5)
     server = DrainingServer(uv_config, app.state.kvserve, opts.shutdown_timeout)
     log.info("serving %r on http://%s:%d (OpenAI API at /v1)", name, opts.host, opts.port)
     server.run()
     return 0 if server.started else 1
+
+
+def resolve_api_key(flag: str | None, key_file: str | None, env: dict | None = None) -> str | None:
+    """The API key from --api-key, --api-key-file (first line) or $KVSERVE_API_KEY, in that order
+    of precedence (the flag shows in `ps`; the file and the variable do not). None: no key."""
+    if flag is not None and key_file is not None:
+        raise ValueError("give --api-key or --api-key-file, not both")
+    if key_file is not None:
+        try:
+            lines = Path(key_file).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--api-key-file {key_file}: cannot be read ({e.__class__.__name__}: {e})") from None
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise ValueError(f"--api-key-file {key_file}: the first line is empty")
+        return key
+    if flag is not None:
+        return flag
+    value = (os.environ if env is None else env).get("KVSERVE_API_KEY")
+    if value is not None and not value.strip():
+        raise ValueError("KVSERVE_API_KEY is set but empty")
+    return None if value is None else value.strip()
 
 
 def _check_options(opts: ServeOptions) -> None:

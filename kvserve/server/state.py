@@ -13,6 +13,7 @@ from kvserve.loading.tokenizer import Tokenizer
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.chat_template import ChatTemplate
 from kvserve.server.errors import APIError
+from kvserve.server.limits import RequestLimits
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import _SamplingRequest, now
 
@@ -28,6 +29,7 @@ class ServerState:
     api_key: str | None
     max_queue: int
     max_body_bytes: int
+    limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may ask for
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False  # set on SIGTERM: new API requests get 503
     inflight: int = 0  # API requests being handled (streams included), counted by the gateway
@@ -46,10 +48,14 @@ class ServerState:
                            "model", "model_not_found")
 
     def admit(self, count: int = 1) -> None:
-        """Refuse new work while draining (503) or when `count` more requests would take the
-        waiting queue past max_queue (429)."""
+        """Refuse new work while draining (503), a request of `count` sequences (prompts x n)
+        that could never fit the waiting queue (400: a retry cannot help), or one that would take
+        the queue past max_queue now (429)."""
         if self.draining:
             raise APIError(503, "the server is shutting down", None, "shutting_down")
+        if count > self.max_queue:
+            raise APIError(400, f"this request is {count} sequences (prompts x n); the server queues at most "
+                                f"{self.max_queue} (--max-queue)", "prompt", "limit_exceeded")
         waiting = self.engine.num_waiting
         if waiting + count > self.max_queue:
             raise APIError(429, f"server busy: {waiting} requests are already waiting (max_queue "

@@ -1,0 +1,97 @@
+"""What one request may ask for (kvserve/server/limits.py): each limit a 400 that names the field,
+the limit and its flag; raised limits let the same request through; a body failing validation a
+thousand times gets a short message; the limits' own settings are checked."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from kvserve.loading import load_model
+from kvserve.server.limits import DEFAULT_MAX_N, RequestLimits
+from tests.server_harness import live_server, make_engine
+from tests.tiny_models import make_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny_limits")
+    make_model("llama", folder)
+    return load_model(folder)
+
+
+def _post(limits: RequestLimits | None, tiny, body: dict) -> httpx.Response:
+    with live_server(make_engine(tiny, kv_cache_gib=0.01), "tiny", limits=limits) as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as http:
+        resp = http.post("/v1/completions", json={"model": "tiny", "prompt": "The quick", "max_tokens": 2, **body})
+        assert srv.state.engine.engine.block_manager.num_free_blocks == srv.state.engine.engine.num_blocks
+        return resp
+
+
+def test_each_limit_names_its_field_limit_and_flag(tiny):
+    cases = [({"n": DEFAULT_MAX_N + 1}, "n", "--max-n"),
+             ({"stop": ["x"] * 17}, "stop", "--max-stop"),
+             ({"stop": ["x" * 257]}, "stop[0]", "--max-stop-chars"),
+             ({"stop_token_ids": [1] * 257}, "stop_token_ids", "--max-stop-token-ids")]
+    with live_server(make_engine(tiny, kv_cache_gib=0.01), "tiny") as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as http:
+        for extra, param, flag in cases:
+            resp = http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2, **extra})
+            err = resp.json()["error"]
+            assert resp.status_code == 400 and err["param"] == param and err["code"] == "limit_exceeded", err
+            assert flag in err["message"], err
+        deep = b'{"model": "tiny", "prompt": "x", "user": ' + b"[" * 33 + b"]" * 33 + b"}"
+        resp = http.post("/v1/completions", content=deep, headers={"Content-Type": "application/json"})
+        assert resp.status_code == 400 and "--max-json-depth" in resp.json()["error"]["message"]
+
+
+def test_raised_limits_let_the_request_through(tiny):
+    limits = RequestLimits(max_n=32, max_stop=40, max_stop_token_ids=300)
+    resp = _post(limits, tiny, {"n": 20, "stop": ["zz"] * 40, "stop_token_ids": [3] * 300})
+    assert resp.status_code == 200, resp.text
+    assert len(resp.json()["choices"]) == 20
+
+
+def test_a_thousand_validation_errors_give_a_short_message(tiny):
+    resp = _post(None, tiny, {"stop": [0] * 12000})  # every element the wrong type
+    err = resp.json()["error"]
+    assert resp.status_code == 400 and err["param"].startswith("stop")
+    assert len(err["message"]) < 1000 and "further errors not shown" in err["message"]
+
+
+@pytest.mark.parametrize("kwargs,flag", [({"max_n": 0}, "--max-n"), ({"max_n": 129}, "--max-n"),
+                                         ({"max_stop": -1}, "--max-stop"), ({"max_json_depth": True}, "--max-json-depth"),
+                                         ({"max_stop_chars": 1.5}, "--max-stop-chars")])
+def test_limit_settings_are_checked(kwargs, flag):
+    with pytest.raises(ValueError, match=flag):
+        RequestLimits(**kwargs)
+
+
+def test_sequences_per_request_are_counted_before_tokenizing(tiny):
+    with live_server(make_engine(tiny, kv_cache_gib=0.01), "tiny", max_queue=300) as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as http:
+        # 64 prompts x n 8 = 512 sequences: past --max-request-seqs (256) -> 400, not a retryable 429
+        body = {"model": "tiny", "prompt": ["a"] * 64, "n": 8, "max_tokens": 1}
+        err = http.post("/v1/completions", json=body).json()["error"]
+        assert err["param"] == "prompt" and "--max-request-seqs" in err["message"]
+    limits = RequestLimits(max_request_seqs=4096)
+    with live_server(make_engine(tiny, kv_cache_gib=0.01), "tiny", max_queue=1024, limits=limits) as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as http:
+        # 1,025 prompts can never fit a queue of 1,024: a 400 naming --max-queue
+        resp = http.post("/v1/completions", json={"model": "tiny", "prompt": ["a"] * 1025, "max_tokens": 1})
+        assert resp.status_code == 400 and "--max-queue" in resp.json()["error"]["message"]
+        assert srv.state.engine.num_waiting == 0
+
+
+def test_a_request_without_max_tokens_gets_the_server_default(tiny):
+    limits = RequestLimits(max_tokens_default=3)
+    with live_server(make_engine(tiny, kv_cache_gib=0.01), "tiny", limits=limits) as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as http:
+        chat = http.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                                       "ignore_eos": True}).json()
+        assert chat["usage"]["completion_tokens"] == 3 and chat["choices"][0]["finish_reason"] == "length"
+        comp = http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": None,
+                                                  "ignore_eos": True}).json()
+        assert comp["usage"]["completion_tokens"] == 3
+        asked = http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 5,
+                                                   "ignore_eos": True}).json()
+        assert asked["usage"]["completion_tokens"] == 5  # a request's own cap is its own
