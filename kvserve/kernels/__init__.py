@@ -46,6 +46,9 @@ def _cpu_signature() -> str:
 _LIBS = {"gelu.c": ["-lmvec"], "prefill_attention.c": ["-lmvec"]}
 
 
+COMPILE_TIMEOUT_S = 300  # one kernel builds in seconds; a hung compiler must not hang the engine
+
+
 def _compile(src: Path, out: Path) -> None:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
@@ -53,8 +56,11 @@ def _compile(src: Path, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_out = Path(tmp) / out.name
-        proc = subprocess.run([cc, *_FLAGS, str(src), "-o", str(tmp_out), *_LIBS.get(src.name, []), "-lm"],
-                              capture_output=True, text=True)
+        try:
+            proc = subprocess.run([cc, *_FLAGS, str(src), "-o", str(tmp_out), *_LIBS.get(src.name, []), "-lm"],
+                                  capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"{cc} did not finish {src.name} within {COMPILE_TIMEOUT_S} s") from None
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed on {src.name}: {proc.stderr.strip()[:500]}")
         os.replace(tmp_out, out)  # atomic: a concurrent process never loads a half-written file
@@ -74,6 +80,17 @@ def load_source(src: Path, signatures: str | None = None) -> ctypes.CDLL:
     so = cache_root() / "kernels" / f"{src.stem}-{key}.so"
     if not so.exists():
         _compile(src, so)
+    try:
+        return _open(so, signatures)
+    except (OSError, AttributeError) as e:  # a truncated or corrupt cached build: rebuild it once
+        log.warning("cached kernel %s is unusable (%s): rebuilding it", so, e)
+        so.unlink(missing_ok=True)
+        _compile(src, so)
+        return _open(so, signatures)
+
+
+def _open(so: Path, signatures: str | None) -> ctypes.CDLL:
+    """Load a built kernel library and type its functions (AttributeError: one is missing)."""
     lib = ctypes.CDLL(str(so))
     for name, (args, res) in (_SIGNATURES[signatures] if signatures else {}).items():
         fn = getattr(lib, name)

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvserve.loading.cache import atomic_write_bytes, entry_dir
+from kvserve.loading.cache import atomic_write_bytes, entry_dir, replace_atomically
 from kvserve.loading.errors import ModelLoadError
 from kvserve.loading.serialize import config_from_dict, config_to_dict
 from kvserve.loading.tokenizer import convert_gguf_tokenizer
@@ -209,8 +209,6 @@ def _convert(path: Path, cfg_file: Path, weights: Path, tok_file: Path) -> None:
     sd = gguf_state_dict(reader, cfg, path)
     if not tok_file.exists():
         convert_gguf_tokenizer(path, tok_file)
-    tmp = weights.with_name(weights.name + ".tmp")
-    save_file(sd, str(tmp))
-    tmp.replace(weights)
+    replace_atomically(weights, lambda tmp: save_file(sd, str(tmp)))
     # The config goes last: its presence marks a complete entry.
     atomic_write_bytes(cfg_file, json.dumps(config_to_dict(cfg), indent=1).encode())

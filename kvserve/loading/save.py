@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 
 import torch
+
+from kvserve.loading.cache import fsync_path, temp_sibling
 
 WEIGHTS_FILE = "model.safetensors"
 _TOKENIZER_EXTRAS = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -99,45 +102,68 @@ def unpack_loaded(model, source, tokenizer, who: str):
 
 def write_folder(out: Path, cfg, hf: dict, tensors: dict[str, torch.Tensor], tokenizer, source,
                  metadata: dict[str, str] | None = None) -> Path:
-    """Write config.json (checked by reading it back), the tokenizer and side files, then
-    model.safetensors (atomically: a temporary file renamed at the end)."""
+    """Write config.json (checked by reading it back), the tokenizer and side files and
+    model.safetensors into a private sibling of `out`, flushed, then move them into `out`, the
+    config last; weight files of an earlier save that these replace (a sharded index and its
+    shards) go first. A failure or a kill while writing leaves `out` as it was."""
+    src = Path(source).expanduser() if source is not None else None
+    if src is not None and src.is_dir() and out.exists() and src.resolve() == out.resolve():
+        raise ValueError(f"--out {out} is the source folder: write into a new folder")
+    staging = temp_sibling(out)
+    staging.mkdir(parents=True)
+    try:
+        _write_staged(staging, cfg, hf, tensors, tokenizer, src, metadata)
+        _publish(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def _write_staged(folder: Path, cfg, hf: dict, tensors: dict[str, torch.Tensor], tokenizer, src: Path | None,
+                  metadata: dict[str, str] | None) -> None:
     from safetensors.torch import save_file
 
     from kvserve.loading.hf import read_hf_config
 
-    out.mkdir(parents=True, exist_ok=True)
-    tok_out = out / "tokenizer.json"
     if isinstance(tokenizer, (str, Path)):
-        if Path(tokenizer).resolve() != tok_out.resolve():
-            shutil.copyfile(tokenizer, tok_out)
+        shutil.copyfile(tokenizer, folder / "tokenizer.json")
     else:
-        tokenizer._tk.save(str(tok_out))
-    src = Path(source).expanduser() if source is not None else None
+        tokenizer._tk.save(str(folder / "tokenizer.json"))
     if src is not None and src.is_dir():
         for f in _TOKENIZER_EXTRAS:
-            if (src / f).is_file() and (src / f).resolve() != (out / f).resolve():
-                shutil.copyfile(src / f, out / f)
-    if cfg.chat_template and not (out / "chat_template.jinja").exists():
-        (out / "chat_template.jinja").write_text(cfg.chat_template)
+            if (src / f).is_file():
+                shutil.copyfile(src / f, folder / f)
+    if cfg.chat_template and not (folder / "chat_template.jinja").exists():
+        (folder / "chat_template.jinja").write_text(cfg.chat_template)
     if not cfg.add_bos_token:
-        tc = out / "tokenizer_config.json"
+        tc = folder / "tokenizer_config.json"
         doc = json.loads(tc.read_text()) if tc.is_file() else {}
         doc["add_bos_token"] = False
         tc.write_text(json.dumps(doc, indent=1))
     gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": list(cfg.eos_token_ids),
            "pad_token_id": cfg.pad_token_id}
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=1))
-
-    (out / "config.json").write_text(json.dumps(hf, indent=1))
-    back = read_hf_config(out)
+    (folder / "generation_config.json").write_text(json.dumps(gen, indent=1))
+    (folder / "config.json").write_text(json.dumps(hf, indent=1))
+    back = read_hf_config(folder)
     bad = config_mismatches(cfg, back)
     if bad:
         raise ValueError(f"config fields {bad} do not survive the HF config.json "
                          f"({', '.join(f'{k}: {getattr(cfg, k)!r} -> {getattr(back, k)!r}' for k in bad)})")
-    tmp = out / (WEIGHTS_FILE + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": "pt", **(metadata or {})})
-    tmp.replace(out / WEIGHTS_FILE)
-    return out
+    save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt", **(metadata or {})})
+
+
+def _publish(staging: Path, out: Path) -> None:
+    """Move the staged files into `out` (each rename atomic; config.json, which makes a folder a
+    model, last), after removing the weight files of an earlier save that would shadow them."""
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in [out / "model.safetensors.index.json", *out.glob("model-*-of-*.safetensors")]:
+        stale.unlink(missing_ok=True)
+    staged = sorted(staging.iterdir(), key=lambda f: f.name == "config.json")
+    for f in staged:
+        fsync_path(f)
+    for f in staged:
+        os.replace(f, out / f.name)
+    fsync_path(out)
 
 
 def save_model(model, out_dir: str | Path, *, source: str | Path | None = None, tokenizer=None,

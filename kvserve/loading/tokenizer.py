@@ -10,6 +10,7 @@ from typing import Sequence
 
 import tokenizers
 
+from kvserve.loading.cache import replace_atomically
 from kvserve.loading.errors import ModelLoadError
 
 
@@ -63,7 +64,4 @@ def convert_gguf_tokenizer(gguf_path: Path, out_path: Path) -> None:
             tok = AutoTokenizer.from_pretrained(tmp, gguf_file=link.name)
         except Exception as e:
             raise ModelLoadError(gguf_path, f"cannot build a tokenizer from its vocabulary ({e})") from None
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(out_path.name + ".tmp")
-    tok.backend_tokenizer.save(str(tmp))
-    tmp.replace(out_path)
+    replace_atomically(out_path, lambda tmp: tok.backend_tokenizer.save(str(tmp)))

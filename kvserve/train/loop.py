@@ -30,6 +30,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from kvserve.loading.cache import replace_atomically
+
 log = logging.getLogger("kvserve.train")
 
 SCHEDULES = ("cosine", "linear", "constant")
@@ -131,16 +133,18 @@ def _settings(cfg: TrainConfig) -> dict:
 
 
 def _save(path: Path, state: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    tmp.replace(path)
+    """A completed step's state, whole or not at all (a stop mid-write leaves the previous one)."""
+    replace_atomically(path, lambda tmp: torch.save(state, tmp))
 
 
 def _resume(path: Path, cfg: TrainConfig, names: list[str], params: list[nn.Parameter], fingerprint: str,
             opt: torch.optim.Optimizer) -> tuple[int, list[float]]:
     """Load a checkpoint into params / opt after checking it belongs to this run -> (step, losses)."""
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    try:  # tensors, numbers, strings and lists only: a checkpoint cannot run code when loaded
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ValueError(f"checkpoint {path}: cannot be read ({e.__class__.__name__}: {str(e)[:200]}); delete it "
+                         "to start over") from None
     saved = state.get("config", {})
     for k, v in _settings(cfg).items():
         if saved.get(k) != v:
