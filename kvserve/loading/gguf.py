@@ -55,32 +55,55 @@ def open_gguf(path: Path):
         raise ModelLoadError(path, f"not a readable GGUF file, truncated or corrupt ({type(e).__name__}: {e})") from None
 
 
-def _field(reader, key: str, default=None, path: Path | None = None):
+def _field(reader, key: str, default=None, path: Path | None = None, kind: type | None = None):
+    """A metadata value (the default when absent; none: an error naming the key), converted to
+    `kind` with an error naming the key when it is not one."""
     f = reader.fields.get(key)
     if f is None:
         if default is None:
             raise ModelLoadError(path, f"GGUF metadata lacks {key!r}")
         return default
-    return f.contents()
+    try:
+        value = f.contents()
+    except Exception as e:  # a field whose declared type does not match its bytes
+        raise ModelLoadError(path, f"GGUF metadata {key!r} cannot be read ({type(e).__name__}: {e})") from None
+    if kind is None:
+        return value
+    if kind in (int, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ModelLoadError(path, f"GGUF metadata {key!r} must be a number, got {value!r}")
+    if kind is str and not isinstance(value, str):
+        raise ModelLoadError(path, f"GGUF metadata {key!r} must be a string, got {value!r}")
+    return kind(value)
 
 
 def read_gguf_config(reader, path: Path) -> ModelConfig:
-    arch = _field(reader, "general.architecture", path=path)
+    """ModelConfig from the metadata; a value of the wrong type or an inconsistent set of them
+    is a ModelLoadError naming the file."""
+    try:
+        return _read_gguf_config(reader, path)
+    except (ValueError, TypeError, ZeroDivisionError, IndexError) as e:
+        if isinstance(e, ModelLoadError):
+            raise
+        raise ModelLoadError(path, f"inconsistent GGUF metadata ({type(e).__name__}: {e})") from None
+
+
+def _read_gguf_config(reader, path: Path) -> ModelConfig:
+    arch = _field(reader, "general.architecture", path=path, kind=str)
     if arch not in SUPPORTED_ARCHS:
         raise ModelLoadError(path, f"architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
 
-    def meta(key: str, default=None):
-        return _field(reader, f"{arch}.{key}", default, path)
+    def meta(key: str, default=None, kind: type | None = None):
+        return _field(reader, f"{arch}.{key}", default, path, kind)
 
     names = {t.name for t in reader.tensors}
     embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if embd is None:
         raise ModelLoadError(path, "GGUF has no token_embd.weight tensor")
-    hidden = int(meta("embedding_length"))
-    heads = int(meta("attention.head_count"))
-    kv_heads = int(meta("attention.head_count_kv", heads))
-    head_dim = int(meta("attention.key_length", hidden // heads))
-    n_layers = int(meta("block_count"))
+    hidden = meta("embedding_length", kind=int)
+    heads = meta("attention.head_count", kind=int)
+    kv_heads = meta("attention.head_count_kv", heads, kind=int)
+    head_dim = meta("attention.key_length", hidden // heads, kind=int)
+    n_layers = meta("block_count", kind=int)
     eos = _field(reader, "tokenizer.ggml.eos_token_id", -1)
     bos = _field(reader, "tokenizer.ggml.bos_token_id", -1)
     pad = _field(reader, "tokenizer.ggml.padding_token_id", -1)
@@ -94,13 +117,13 @@ def read_gguf_config(reader, path: Path) -> ModelConfig:
         model_type=arch,
         vocab_size=int(embd.shape[-1]),
         hidden_size=hidden,
-        intermediate_size=int(meta("feed_forward_length")),
+        intermediate_size=meta("feed_forward_length", kind=int),
         num_layers=n_layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon")),
-        max_position_embeddings=int(meta("context_length")),
+        rms_norm_eps=meta("attention.layer_norm_rms_epsilon", kind=float),
+        max_position_embeddings=meta("context_length", kind=int),
         tie_word_embeddings="output.weight" not in names,
         bos_token_id=None if bos < 0 else int(bos),
         eos_token_ids=eos_ids,
@@ -108,11 +131,11 @@ def read_gguf_config(reader, path: Path) -> ModelConfig:
         add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", True)),
         chat_template=_field(reader, "tokenizer.chat_template", "") or None,
     )
-    theta = float(meta("rope.freq_base", 10000.0))
+    theta = meta("rope.freq_base", 10000.0, kind=float)
     scaling = None
     kind = meta("rope.scaling.type", "none")
     if kind == "linear":
-        scaling = (("rope_type", "linear"), ("factor", float(meta("rope.scaling.factor"))))
+        scaling = (("rope_type", "linear"), ("factor", meta("rope.scaling.factor", kind=float)))
     elif kind not in ("none", ""):
         raise ModelLoadError(path, f"rope scaling {kind!r} is not supported")
 
@@ -125,7 +148,7 @@ def read_gguf_config(reader, path: Path) -> ModelConfig:
             layer_types=layer_types,
             rope={SLIDING: RopeConfig(10000.0), FULL: RopeConfig(theta, scaling)},
             attn_scale=256**-0.5,
-            sliding_window=int(meta("attention.sliding_window")),
+            sliding_window=meta("attention.sliding_window", kind=int),
             hidden_act="gelu_pytorch_tanh",
             qk_norm=True,
             **common,
