@@ -118,16 +118,40 @@ def test_engine_step_failure_fails_the_request_and_keeps_serving(tiny_llama):
         failed = http.post(C, json=body)
         assert failed.status_code == 500
         err = failed.json()["error"]
-        assert err["type"] == "server_error" and "simulated kernel failure" in err["message"]
+        # The client gets a reference to the log entry, not the exception's text
+        assert err["type"] == "server_error" and "log reference" in err["message"]
+        assert "simulated" not in err["message"] and "RuntimeError" not in err["message"]
         assert srv.wait_pool_full(10)
         ok = http.post(C, json=body)
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 6
         calls["n"] = 2  # the next step fails again, this time under a stream
         lines = [ln for ln in http.post(C, json={**body, "stream": True}).text.splitlines() if ln.startswith("data:")]
-        assert lines[-1] == "data: [DONE]" and "simulated kernel failure" in lines[-2]
+        assert lines[-1] == "data: [DONE]" and "log reference" in lines[-2] and "simulated" not in lines[-2]
         assert json.loads(lines[-2][6:])["error"]["type"] == "server_error"
         assert http.get("/health").status_code == 200
         assert srv.wait_pool_full(10)
+
+
+def test_steps_failing_in_a_row_make_the_engine_unhealthy(tiny_llama):
+    """A failure no request can be blamed for (every step fails): after UNHEALTHY_AFTER in a row
+    /health answers 503 and new requests get 503 at once instead of queueing forever."""
+    from kvserve.engine.async_engine import UNHEALTHY_AFTER
+
+    engine = make_engine(tiny_llama, kv_cache_gib=0.01)
+
+    def broken_step():
+        raise RuntimeError("simulated device loss")
+
+    engine.step = broken_step
+    body = {"model": MODEL, "prompt": "The quick", "max_tokens": 4}
+    with live_server(engine, MODEL) as srv, httpx.Client(base_url=srv.url, timeout=30) as http:
+        statuses = [http.post(C, json=body).status_code for _ in range(UNHEALTHY_AFTER)]
+        assert statuses == [500] * UNHEALTHY_AFTER
+        health = http.get("/health")
+        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_unhealthy"
+        refused = http.post(C, json=body)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_unhealthy"
+        assert srv.state.engine.num_unfinished == 0
 
 
 def test_non_streaming_client_disconnect_aborts(tiny_llama):

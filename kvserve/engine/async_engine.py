@@ -14,7 +14,10 @@ LLMEngine and runs `step()`; nothing else touches it. Everyone else talks to tha
 * `stats()` reads a snapshot the loop publishes after every drain and step.
 
 A failing step must not kill the loop silently: the requests it was running are failed with an
-error (their blocks freed) and the loop keeps serving the others.
+error (their blocks freed) and the loop keeps serving the others. After UNHEALTHY_AFTER failed
+steps in a row the engine is unhealthy (`healthy` False: the server's /health answers 503 and new
+requests are refused with 503) until a step succeeds again. Clients get a reference to the log
+entry, never the exception's text.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import asyncio
 import dataclasses
 import logging
 import threading
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
@@ -32,6 +36,12 @@ from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+UNHEALTHY_AFTER = 3  # failed steps in a row before the engine reports itself unhealthy
+
+
+def _reference() -> str:
+    """A short id tying an error a client sees to its log entry."""
+    return uuid.uuid4().hex[:12]
 
 
 class RequestError(Exception):
@@ -168,6 +178,11 @@ class AsyncLLMEngine:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def healthy(self) -> bool:
+        """False after UNHEALTHY_AFTER failed steps in a row, until a step succeeds."""
+        return self._consecutive_failures < UNHEALTHY_AFTER
+
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Abort whatever is left (consumers see finish_reason "abort"), stop the thread."""
         self.abort_all()
@@ -217,6 +232,8 @@ class AsyncLLMEngine:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             if self._stopping:
                 raise RequestError("the engine is shutting down", 503)
+            if not self.healthy:
+                raise RequestError("the engine is unhealthy: its last steps failed; retry later", 503)
             self._streams[request_id] = stream
             self._commands.append(_Add(stream, prompt, params))
             self._num_pending_adds += 1
@@ -290,9 +307,10 @@ class AsyncLLMEngine:
             self.engine.add_request(cmd.prompt, cmd.params, s.request_id, arrival_time=s.arrival_time)
         except ValueError as e:
             self._fail(s, RequestError(str(e), 400))
-        except Exception as e:  # a bug, not bad input: say so, keep serving
-            log.exception("add_request %s failed", s.request_id)
-            self._fail(s, RequestError(f"engine error while adding the request: {type(e).__name__}: {e}", 500))
+        except Exception:  # a bug, not bad input: say so (the details in the log), keep serving
+            ref = _reference()
+            log.exception("add_request %s failed [%s]", s.request_id, ref)
+            self._fail(s, RequestError(f"internal engine error while adding the request (log reference {ref})", 500))
 
     def _abort(self, request_id: str, notify: bool) -> None:
         stream = self._engine_abort(request_id, "abort %s failed")
@@ -324,10 +342,13 @@ class AsyncLLMEngine:
         """Fail the requests the step was running; if steps keep failing, fail everything
         (the culprit may be a request still waiting to be admitted)."""
         self._consecutive_failures += 1
-        log.exception("engine step failed (%d in a row)", self._consecutive_failures, exc_info=exc)
+        ref = _reference()
+        log.exception("engine step failed (%d in a row) [%s]", self._consecutive_failures, ref, exc_info=exc)
+        if not self.healthy:
+            log.error("engine unhealthy after %d failed steps in a row: new requests get 503", UNHEALTHY_AFTER)
         running = {s.request_id for s in self.engine.scheduler.running}
         victims = running if running and self._consecutive_failures == 1 else set(self.engine.requests)
-        error = RequestError(f"engine error: {type(exc).__name__}: {exc}", 500)
+        error = RequestError(f"internal engine error (log reference {ref})", 500)
         for rid in victims:
             stream = self._engine_abort(rid, "abort %s after a failed step failed")
             if stream is not None:

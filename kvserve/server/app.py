@@ -107,6 +107,9 @@ def _add_ops_routes(app: FastAPI, state: ServerState) -> None:
             return JSONResponse(error_body("the server is shutting down", 503, None, "shutting_down"), 503)
         if not state.engine.is_running:
             return JSONResponse(error_body("the engine loop is not running", 503, None, "engine_dead"), 503)
+        if not state.engine.healthy:
+            return JSONResponse(error_body("the engine is unhealthy: its last steps failed", 503, None,
+                                           "engine_unhealthy"), 503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

@@ -53,6 +53,9 @@ class ServerState:
         the queue past max_queue now (429)."""
         if self.draining:
             raise APIError(503, "the server is shutting down", None, "shutting_down")
+        if not self.engine.healthy:
+            raise APIError(503, "the engine is unhealthy: its last steps failed; retry later", None,
+                           "engine_unhealthy")
         if count > self.max_queue:
             raise APIError(400, f"this request is {count} sequences (prompts x n); the server queues at most "
                                 f"{self.max_queue} (--max-queue)", "prompt", "limit_exceeded")
