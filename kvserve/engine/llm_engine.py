@@ -431,12 +431,38 @@ class LLMEngine:
                 self._append(seq, picked[row], None, None, now)
                 touched.add(seq.request_id)
         elif samplers:
-            plain = logits if rows == list(range(logits.shape[0])) else logits[torch.tensor(rows, device=logits.device)]
-            out = self.sampler(plain, [self._sampling_request(s) for s in samplers])
-            now = self.clock()
-            for i, seq in enumerate(samplers):
-                self._append(seq, out.token_ids[i], out.logprobs[i], out.top_logprobs[i], now)
-                touched.add(seq.request_id)
+            for group_rows, seqs in self._sampling_groups(rows, samplers):
+                out = self.sampler(self._rows_of(logits, group_rows), [self._sampling_request(s) for s in seqs])
+                now = self.clock()
+                for i, seq in enumerate(seqs):
+                    self._append(seq, out.token_ids[i], out.logprobs[i], out.top_logprobs[i], now)
+                    touched.add(seq.request_id)
+
+    @staticmethod
+    def _sampling_groups(rows: list[int], samplers: list[Sequence]):
+        """(logits rows, sequences) to sample together: every sequence with a row of its own in
+        one batch, then the samples forked from one parent a parent at a time, each from the
+        parent's row. A request's n first tokens never gather n copies of the whole batch's
+        vocabulary rows (64 prompts x n 128 of Gemma's would be 8 GB of fp32)."""
+        by_row: dict[int, list[Sequence]] = {}
+        for row, seq in zip(rows, samplers):
+            by_row.setdefault(row, []).append(seq)
+        single = [(row, seqs[0]) for row, seqs in by_row.items() if len(seqs) == 1]
+        groups = []
+        if single:
+            groups.append(([r for r, _ in single], [s for _, s in single]))
+        groups += [([row] * len(seqs), seqs) for row, seqs in by_row.items() if len(seqs) > 1]
+        return groups
+
+    @staticmethod
+    def _rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """logits[rows] [len(rows), V]: the tensor itself when rows are all of it in order, one
+        row repeated as an expanded copy of that row (the samples of one parent)."""
+        if rows == list(range(logits.shape[0])):
+            return logits
+        if len(set(rows)) == 1:
+            return logits[rows[0]].expand(len(rows), -1).contiguous()
+        return logits[torch.tensor(rows, device=logits.device)]
 
     def _argmax_only(self, samplers: list[Sequence], rows: list[int], spec: list, num_rows: int) -> bool:
         """Every logit row of the step wants only its argmax: plain greedy sampling, or the
