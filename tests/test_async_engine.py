@@ -157,3 +157,23 @@ def test_stats_count_submissions_not_yet_picked_up(tiny_llama):
     assert stats["num_requests_waiting"] == 3 and stats["num_requests_running"] == 0
     for key in ("kv_cache_usage_perc", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions"):
         assert key in stats
+
+
+def test_a_consumer_that_stops_reading_holds_one_output(tiny_llama):
+    """Outputs that arrive while the last one is unread are merged into it (their deltas joined):
+    a stalled client costs one output, not one per step, and reads the same tokens and text."""
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, n=2, seed=1)
+
+    async def body(engine):
+        stream = engine.generate([2, 5, 6, 7], params, "stalled")
+        while engine.num_unfinished:  # never read while it runs
+            await asyncio.sleep(0.01)
+        pending = len(stream._stream.queue)
+        outs = [o async for o in stream]
+        return pending, outs
+
+    (pending, outs), _ = _run(tiny_llama, body)
+    assert pending == 1 and len(outs) == 1 and outs[0].finished
+    for c in outs[0].outputs:
+        assert c.delta_token_ids == c.token_ids and len(c.token_ids) == 30
+        assert c.delta_text == c.text

@@ -22,6 +22,7 @@ entry, never the exception's text.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import threading
@@ -62,13 +63,53 @@ class OutputObserver(Protocol):
     def on_output(self, out: RequestOutput, first: bool) -> None: ...
 
 
+class _Mailbox:
+    """A request's undelivered outputs, on its caller's event loop. An output arriving while the
+    previous one is still unread replaces it, carrying both steps' deltas (every output is
+    cumulative otherwise), so a client that stops reading holds one output, not one per step."""
+
+    def __init__(self):
+        self._items: collections.deque[RequestOutput | BaseException] = collections.deque()
+        self._ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        last = self._items[-1] if self._items else None
+        if isinstance(item, RequestOutput) and isinstance(last, RequestOutput):
+            self._items.pop()
+            item = _with_earlier_deltas(item, last)
+        self._items.append(item)
+        self._ready.set()
+
+    async def get(self) -> RequestOutput | BaseException:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items.popleft()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def _with_earlier_deltas(out: RequestOutput, earlier: RequestOutput) -> RequestOutput:
+    """`out` whose deltas also hold the unread deltas of `earlier` (same request, one step before)."""
+    before = {c.index: c for c in earlier.outputs}
+    merged = []
+    for c in out.outputs:
+        e = before.get(c.index)
+        if e is not None:
+            c = dataclasses.replace(c, delta_text=e.delta_text + c.delta_text,
+                                    delta_token_ids=e.delta_token_ids + c.delta_token_ids)
+        merged.append(c)
+    return dataclasses.replace(out, outputs=merged)
+
+
 @dataclass
 class _Stream:
-    """Where one request's outputs go: a queue living on its caller's event loop."""
+    """Where one request's outputs go: a mailbox living on its caller's event loop."""
 
     request_id: str
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    queue: _Mailbox
     n: int
     prompt_token_ids: list[int] | None
     arrival_time: float
@@ -226,7 +267,7 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         ids = list(prompt) if not isinstance(prompt, str) else None
         arrival = self.engine.clock() if arrival_time is None else arrival_time
-        stream = _Stream(request_id, loop, asyncio.Queue(), params.n, ids, arrival)
+        stream = _Stream(request_id, loop, _Mailbox(), params.n, ids, arrival)
         with self._cv:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
@@ -390,7 +431,7 @@ class AsyncLLMEngine:
         if stream.cancelled:
             return
         try:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+            stream.loop.call_soon_threadsafe(stream.queue.put, item)
         except RuntimeError:  # the caller's event loop is closed: nobody will ever read this
             stream.cancelled = True
             if self.engine.requests.get(stream.request_id) is not None:
