@@ -79,6 +79,8 @@ def test_sigterm_lets_the_in_flight_stream_finish_and_exits_0():
     (["serve", "--api-key-file", "/nonexistent/kvserve-key"], "--api-key-file /nonexistent/kvserve-key"),
     (["serve", "--api-key", "k", "--api-key-file", "f"], "not both"),
     (["serve", "--max-n", "129"], "--max-n"),
+    (["serve", "--protect-metrics"], "--protect-metrics needs an API key"),
+    (["serve", "--allowed-hosts", "localhost,"], "--allowed-hosts"),
 ])
 def test_bad_serve_flags_exit_2(argv, message, capsys):
     assert main(argv) == 2

@@ -95,3 +95,26 @@ def test_a_request_without_max_tokens_gets_the_server_default(tiny):
         asked = http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 5,
                                                    "ignore_eos": True}).json()
         assert asked["usage"]["completion_tokens"] == 5  # a request's own cap is its own
+
+
+def test_metrics_behind_the_key_when_asked(tiny):
+    with live_server(make_engine(tiny, kv_cache_gib=0.01), "tiny", api_key="k", protect_metrics=True) as srv, \
+            httpx.Client(base_url=srv.url, timeout=30) as http:
+        for path in ("/metrics", "/stats"):
+            assert http.get(path).status_code == 401
+            assert http.get(path, headers={"Authorization": "Bearer k"}).status_code == 200
+        assert http.get("/health").status_code == 200  # probes carry no key
+    with pytest.raises(ValueError, match="--protect-metrics needs an API key"):
+        live_server(make_engine(tiny, kv_cache_gib=0.01), "tiny", protect_metrics=True).__enter__()
+
+
+def test_only_allowed_hosts_are_answered(tiny):
+    """--allowed-hosts: a page elsewhere whose name resolves to this address (DNS rebinding)
+    sends its own Host header and gets 400."""
+    with live_server(make_engine(tiny, kv_cache_gib=0.01), "tiny", allowed_hosts=["localhost", "127.0.0.1"]) as srv, \
+            httpx.Client(base_url=srv.url, timeout=30) as http:
+        assert http.get("/v1/models").status_code == 200  # Host: 127.0.0.1:port
+        assert http.get("/v1/models", headers={"Host": "localhost"}).status_code == 200
+        assert http.get("/v1/models", headers={"Host": "attacker.example"}).status_code == 400
+        assert http.post("/v1/completions", headers={"Host": "attacker.example"},
+                         json={"model": "tiny", "prompt": "x", "max_tokens": 1}).status_code == 400

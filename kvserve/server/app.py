@@ -14,6 +14,7 @@ from typing import Awaitable
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from kvserve.engine.async_engine import AsyncLLMEngine
 from kvserve.engine.llm_engine import LLMEngine
@@ -39,14 +40,18 @@ _PLACEHOLDER = ("<!doctype html><title>kvserve</title><h1>kvserve</h1><p>OpenAI-
 
 def build_app(engine: AsyncLLMEngine | LLMEngine, served_model_name: str, api_key: str | None = None,
               max_queue: int = DEFAULT_MAX_QUEUE, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              limits: RequestLimits | None = None) -> FastAPI:
+              limits: RequestLimits | None = None, protect_metrics: bool = False,
+              allowed_hosts: list[str] | None = None) -> FastAPI:
     async_engine = engine if isinstance(engine, AsyncLLMEngine) else AsyncLLMEngine(engine)
     metrics = ServerMetrics(async_engine.stats, served_model_name)
     if async_engine.observer is None:
         async_engine.observer = metrics
     core = async_engine.engine
     state = ServerState(async_engine, served_model_name, chat_template_for(core.model_config, core.tokenizer),
-                        metrics, api_key, max_queue, max_body_bytes, limits or RequestLimits())
+                        metrics, api_key, max_queue, max_body_bytes, limits or RequestLimits(),
+                        protect_ops=protect_metrics)
+    if protect_metrics and api_key is None:
+        raise ValueError("--protect-metrics needs an API key (--api-key, --api-key-file or KVSERVE_API_KEY)")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -58,6 +63,8 @@ def build_app(engine: AsyncLLMEngine | LLMEngine, served_model_name: str, api_ke
     app.state.kvserve = state
     install_handlers(app)
     app.add_middleware(Gateway, state=state)
+    if allowed_hosts:  # DNS rebinding: a page on another site resolving its name to this address
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts)
     _add_api_routes(app, state)
     _add_ops_routes(app, state)
     return app

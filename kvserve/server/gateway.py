@@ -7,7 +7,8 @@ through a task group and hides disconnects) that, for /v1/ requests:
 * refuses a body over the limit: at once from Content-Length, and while reading by counting
   the bytes actually received (chunked uploads, lying headers) (413),
 * counts in-flight requests, streams included, so a drain knows when they are done.
-/health, /metrics, /stats and / stay open (probes and dashboards carry no key).
+/health and / stay open (probes carry no key); /metrics and /stats too, unless `protect_ops`
+(`--protect-metrics`) asks for the API key there as well.
 """
 from __future__ import annotations
 
@@ -25,6 +26,10 @@ class Gateway:
         self.state = state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] in OPS_PATHS and self.state.protect_ops:
+            if not _authorized(dict(scope["headers"]).get(b"authorization", b""), self.state.api_key):
+                await error_response(_unauthorized())(scope, receive, send)
+                return
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
             await self.app(scope, receive, send)
             return
@@ -45,8 +50,7 @@ class Gateway:
             raise APIError(503, "the server is shutting down", None, "shutting_down")
         headers = dict(scope["headers"])
         if st.api_key is not None and not _authorized(headers.get(b"authorization", b""), st.api_key):
-            raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'", None,
-                           "invalid_api_key")
+            raise _unauthorized()
         length = headers.get(b"content-length")
         if length is not None:
             try:
@@ -57,6 +61,13 @@ class Gateway:
             if size > st.max_body_bytes:
                 raise APIError(413, f"request body of {size} bytes exceeds the limit of {st.max_body_bytes}",
                                None, "request_too_large")
+
+
+OPS_PATHS = ("/metrics", "/stats")
+
+
+def _unauthorized() -> APIError:
+    return APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'", None, "invalid_api_key")
 
 
 def _authorized(header: bytes, key: str) -> bool:

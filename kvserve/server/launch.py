@@ -39,6 +39,8 @@ class ServeOptions:
     max_queue: int = DEFAULT_MAX_QUEUE
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     limits: RequestLimits = field(default_factory=RequestLimits)
+    protect_metrics: bool = False
+    allowed_hosts: list[str] | None = None
     shutdown_timeout: float = 30.0
     log_level: str = "info"
 
@@ -86,7 +88,8 @@ def serve(config: EngineConfig, opts: ServeOptions) -> int:
     engine = LLMEngine(config)
     name = opts.served_model_name or (str(config.model) if config.model is not None else DEFAULT_MODEL_NAME)
     app = build_app(AsyncLLMEngine(engine), name, api_key=opts.api_key, max_queue=opts.max_queue,
-                    max_body_bytes=opts.max_body_bytes, limits=opts.limits)
+                    max_body_bytes=opts.max_body_bytes, limits=opts.limits, protect_metrics=opts.protect_metrics,
+                    allowed_hosts=opts.allowed_hosts)
     uv_config = uvicorn.Config(app, host=opts.host, port=opts.port, log_level=opts.log_level,
                                timeout_graceful_shutdown=5, timeout_keep_alive=5)
     server = DrainingServer(uv_config, app.state.kvserve, opts.shutdown_timeout)
@@ -128,3 +131,7 @@ def _check_options(opts: ServeOptions) -> None:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {opts.shutdown_timeout}")
     if opts.api_key is not None and not opts.api_key:
         raise ValueError("--api-key must not be empty")
+    if opts.protect_metrics and opts.api_key is None:
+        raise ValueError("--protect-metrics needs an API key (--api-key, --api-key-file or KVSERVE_API_KEY)")
+    if opts.allowed_hosts is not None and not all(h.strip() for h in opts.allowed_hosts):
+        raise ValueError(f"--allowed-hosts must be a comma list of host names, got {','.join(opts.allowed_hosts)!r}")
