@@ -118,3 +118,24 @@ def test_only_allowed_hosts_are_answered(tiny):
         assert http.get("/v1/models", headers={"Host": "attacker.example"}).status_code == 400
         assert http.post("/v1/completions", headers={"Host": "attacker.example"},
                          json={"model": "tiny", "prompt": "x", "max_tokens": 1}).status_code == 400
+
+
+def test_cache_salt_keeps_prefixes_apart(tiny):
+    """Requests share cached prefixes only with the same `cache_salt` (none counts as its own)."""
+    prompt = list(range(3, 3 + 64))  # four full 16-token blocks
+    with live_server(make_engine(tiny, kv_cache_gib=0.01), "tiny") as srv, \
+            httpx.Client(base_url=srv.url, timeout=30) as http:
+        def hits(salt):
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
+            if salt is not None:
+                body["cache_salt"] = salt
+            before = http.get("/stats").json()["prefix_cache_hits"]
+            assert http.post("/v1/completions", json=body).status_code == 200
+            return http.get("/stats").json()["prefix_cache_hits"] - before
+
+        assert hits("alice") == 0
+        assert hits("bob") == 0  # same tokens, another tenant: no hit
+        assert hits(None) == 0
+        assert hits("alice") > 0 and hits(None) > 0
+        bad = http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "cache_salt": ""})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvserve.config import EngineConfig
-from kvserve.engine.block_manager import BlockManager
+from kvserve.engine.block_manager import CACHE_SALT_KEY, BlockManager
 from kvserve.engine.cuda_graphs import DecodeGraphs
 from kvserve.engine.metrics import RequestMetrics
 from kvserve.engine.model_runner import ModelRunner, StepInput
@@ -289,9 +289,14 @@ class LLMEngine:
         return ids
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    cache_salt: str | None = None) -> str:
         """Queue a request (text or token ids). Raises ValueError for an empty prompt, a prompt
-        that leaves no room to generate within max_model_len, or a duplicate request id."""
+        that leaves no room to generate within max_model_len, or a duplicate request id.
+
+        `cache_salt`: mixed into every block hash of the request, so it shares cached prefixes
+        only with requests carrying the same salt (one tenant's prompts cannot be probed by
+        another's through prefix-cache hits)."""
         arrival = self.clock() if arrival_time is None else arrival_time
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -305,6 +310,8 @@ class LLMEngine:
                              f"{self.max_model_len}, leaving no room for output")
         seqs = [Sequence(next(self._seq_ids), request_id, list(ids), params, arrival, index=i) for i in range(params.n)]
         for s in seqs:
+            if cache_salt is not None:
+                s.extra[CACHE_SALT_KEY] = ("salt", cache_salt)
             s.extra["generator"] = self._generator(params, s.index)
             s.extra["detok"] = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
             s.extra["stop"] = StopChecker(params, self.tokenizer.eos_token_ids, self.max_model_len)

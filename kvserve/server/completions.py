@@ -65,7 +65,8 @@ def _submit(state: ServerState, job: _Job, prompts: list[list[int]]) -> list[Req
     streams: list[RequestStream] = []
     try:
         for i, ids in enumerate(prompts):
-            streams.append(state.engine.generate(ids, job.params, f"{job.id}-{i}", job.arrival_time))
+            streams.append(state.engine.generate(ids, job.params, f"{job.id}-{i}", job.arrival_time,
+                                                 cache_salt=job.req.cache_salt))
     except (ValueError, RequestError) as e:
         for s in streams:
             s.close()

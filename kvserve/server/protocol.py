@@ -59,6 +59,9 @@ class _SamplingRequest(_Strict):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Prefix-cache isolation (vLLM's field): cached prefixes are shared only among requests with
+    # the same salt.
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
     @model_validator(mode="after")
     def _check_unsupported(self):
