@@ -88,7 +88,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 def _add_serve_parser(sub) -> None:
     from kvserve.server.limits import (DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_SEQS,
                                        DEFAULT_MAX_STOP, DEFAULT_MAX_STOP_CHARS, DEFAULT_MAX_STOP_TOKEN_IDS,
-                                       DEFAULT_MAX_TOKENS)
+                                       DEFAULT_MAX_TOKENS, DEFAULT_REQUEST_TIMEOUT_S)
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     srv.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
@@ -121,6 +121,9 @@ def _add_serve_parser(sub) -> None:
                      help="sequences of one request, prompts x n (%(default)s)")
     lim.add_argument("--max-tokens-default", type=positive_int, default=DEFAULT_MAX_TOKENS,
                      help="output tokens of a request that sets no max_tokens (%(default)s)")
+    lim.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
+                     help="seconds from arrival after which a request finishes with finish_reason 'length' "
+                          "(%(default)s)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="on SIGTERM, seconds in-flight requests get to finish before they are aborted")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -392,7 +395,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                              max_stop_token_ids=args.max_stop_token_ids,
                                              max_json_depth=args.max_json_depth,
                                              max_request_seqs=args.max_request_seqs,
-                                             max_tokens_default=args.max_tokens_default),
+                                             max_tokens_default=args.max_tokens_default,
+                                             request_timeout=args.request_timeout),
                         **server_limits)
     return serve(config, opts)
 

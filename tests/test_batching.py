@@ -162,3 +162,29 @@ def test_abort_mid_generation_frees_everything(gemma):
     # the surviving request is unaffected by its neighbour's abort
     assert outs[-1].token_ids == llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8,
                                                                          ignore_eos=True))[0].token_ids
+
+
+def test_a_request_past_its_deadline_finishes_with_length(tmp_path):
+    """LLMEngine.add_request(deadline=...): the step that finds it passed ends the request with
+    the text so far (held-back text included), finish_reason "length", blocks freed."""
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.config import EngineConfig
+    from kvserve.loading import load_model
+    from tests.tiny_models import make_model
+
+    make_model("llama", tmp_path)
+    engine = LLMEngine(EngineConfig(kv_cache_gib=0.01), loaded=load_model(tmp_path))
+    now = [0.0]
+    engine.clock = lambda: now[0]
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True, n=2, seed=0)
+    engine.add_request([2, 5, 6], params, "r", deadline=5.0)
+    outs = []
+    for _ in range(4):
+        outs += engine.step()
+    now[0] = 6.0
+    final = engine.step()[-1]
+    assert final.finished and not engine.has_unfinished()
+    for c in final.outputs:
+        assert c.finish_reason == "length" and 0 < len(c.token_ids) < 50
+        assert c.text == engine.tokenizer.decode(c.token_ids)
+    assert engine.block_manager.num_free_blocks == engine.num_blocks

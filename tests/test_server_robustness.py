@@ -211,3 +211,23 @@ def test_drain_timeout_aborts_stragglers(tiny_llama):
         assert result["resp"].json()["choices"][0]["finish_reason"] == "abort"
         drained.result(timeout=10)
         assert srv.wait_pool_full(5)
+
+
+def test_request_timeout_finishes_with_length(tiny_llama):
+    """--request-timeout: past its deadline a request ends with what it has, finish_reason
+    "length", its blocks freed; streamed or not."""
+    from kvserve.server.limits import RequestLimits
+
+    engine = make_engine(tiny_llama, kv_cache_gib=0.01)
+    _slow_steps(engine, 0.02)  # 400 tokens would take ~8 s
+    with live_server(engine, MODEL, limits=RequestLimits(request_timeout=0.5)) as srv, \
+            httpx.Client(base_url=srv.url, timeout=30) as http:
+        body = {"model": MODEL, "prompt": "The quick", "max_tokens": 400, "ignore_eos": True}
+        t0 = time.monotonic()
+        out = http.post(C, json=body).json()
+        assert out["choices"][0]["finish_reason"] == "length"
+        assert 0 < out["usage"]["completion_tokens"] < 400 and time.monotonic() - t0 < 5
+        lines = [json.loads(ln[6:]) for ln in http.post(C, json={**body, "stream": True}).text.splitlines()
+                 if ln.startswith("data: {")]
+        assert lines[-1]["choices"][0]["finish_reason"] == "length"
+        assert srv.wait_pool_full(5)

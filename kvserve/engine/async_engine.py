@@ -123,6 +123,7 @@ class _Add:
     prompt: str | list[int]
     params: SamplingParams
     cache_salt: str | None = None
+    deadline: float | None = None
 
 
 @dataclass
@@ -258,7 +259,8 @@ class AsyncLLMEngine:
         return self.engine.clock()
 
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                 arrival_time: float | None = None, cache_salt: str | None = None) -> RequestStream:
+                 arrival_time: float | None = None, cache_salt: str | None = None,
+                 deadline: float | None = None) -> RequestStream:
         """Submit now; iterate the result for the outputs. Raises ValueError for a duplicate id.
 
         `arrival_time` (engine clock) defaults to now; a server passes the time the HTTP request
@@ -277,7 +279,7 @@ class AsyncLLMEngine:
             if not self.healthy:
                 raise RequestError("the engine is unhealthy: its last steps failed; retry later", 503)
             self._streams[request_id] = stream
-            self._commands.append(_Add(stream, prompt, params, cache_salt))
+            self._commands.append(_Add(stream, prompt, params, cache_salt, deadline))
             self._num_pending_adds += 1
             self._cv.notify()
         return RequestStream(self, stream)
@@ -347,7 +349,7 @@ class AsyncLLMEngine:
             return
         try:
             self.engine.add_request(cmd.prompt, cmd.params, s.request_id, arrival_time=s.arrival_time,
-                                    cache_salt=cmd.cache_salt)
+                                    cache_salt=cmd.cache_salt, deadline=cmd.deadline)
         except ValueError as e:
             self._fail(s, RequestError(str(e), 400))
         except Exception:  # a bug, not bad input: say so (the details in the log), keep serving

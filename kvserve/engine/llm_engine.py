@@ -55,6 +55,7 @@ class _Request:
     metrics: RequestMetrics
     error: str | None = None
     emitted: dict[int, int] = field(default_factory=dict)  # seq index -> tokens already reported
+    deadline: float | None = None  # engine clock: past it, the request finishes with "length"
 
     @property
     def finished(self) -> bool:
@@ -290,13 +291,14 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
-                    cache_salt: str | None = None) -> str:
+                    cache_salt: str | None = None, deadline: float | None = None) -> str:
         """Queue a request (text or token ids). Raises ValueError for an empty prompt, a prompt
         that leaves no room to generate within max_model_len, or a duplicate request id.
 
         `cache_salt`: mixed into every block hash of the request, so it shares cached prefixes
         only with requests carrying the same salt (one tenant's prompts cannot be probed by
-        another's through prefix-cache hits)."""
+        another's through prefix-cache hits). `deadline` (engine clock): the step that finds it
+        passed finishes the request with finish_reason "length" and frees its blocks."""
         arrival = self.clock() if arrival_time is None else arrival_time
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -318,7 +320,7 @@ class LLMEngine:
             if self.draft_runner is not None and not _needs_penalties(params):
                 s.num_draft_computed = 0  # its draft cache starts empty (a prefix hit fills it)
         req = _Request(request_id, prompt if isinstance(prompt, str) else None, ids, params, seqs,
-                       RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(ids)))
+                       RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(ids)), deadline=deadline)
         self.requests[request_id] = req
         # n > 1: only the first sample is scheduled; the others fork from it once the prompt is
         # computed, sharing its blocks by reference (copy-on-write on their first append).
@@ -368,8 +370,9 @@ class LLMEngine:
     # ---------------------------------------------------------------- stepping
     def step(self) -> list[RequestOutput]:
         """One scheduling iteration; returns an output for every request that changed."""
-        sched = self.scheduler.schedule()
         touched: set[str] = set()
+        self._expire(self.clock(), touched)
+        sched = self.scheduler.schedule()
         now = self.clock()
         for seq in sched.finished_with_error:
             req = self.requests[seq.request_id]
@@ -381,6 +384,21 @@ class LLMEngine:
         if sched.scheduled:
             self._execute(sched, touched)
         return self._collect(touched)
+
+    def _expire(self, now: float, touched: set[str]) -> None:
+        """Requests past their deadline finish now, with finish_reason "length" and the text
+        held back so far, their blocks freed."""
+        for rid, req in self.requests.items():
+            if req.deadline is None or now < req.deadline or req.finished:
+                continue
+            for s in req.seqs:
+                if s.finished:
+                    continue
+                self.scheduler.finish(s)
+                self._emit(s, s.extra["stop"].expire())
+                self._emit(s, s.extra["detok"].flush())
+                s.finish(SequenceStatus.FINISHED_LENGTH, now)
+            touched.add(rid)
 
     def _execute(self, sched: SchedulerOutput, touched: set[str]) -> None:
         self.runner.copy_blocks(sched.block_copies, self.config.block_size)

@@ -216,6 +216,12 @@ class StopChecker:
                     break
         return best
 
+    def expire(self) -> str:
+        """Finish with "length" now (a deadline passed): the held-back text, to stream."""
+        if self._result is not None:
+            return ""
+        return self._finish("length", None, self._pending).emit
+
     def _finish(self, reason: str, stop_reason: int | str | None, emit: str) -> StopResult:
         self._pending = ""
         self._result = StopResult(True, reason, stop_reason, emit)

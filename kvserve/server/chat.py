@@ -48,7 +48,8 @@ async def create_chat_completion(state: ServerState, request: Request, req: Chat
                                                         params.min_tokens)
     job = _Job(state, req, params, arrival)
     try:
-        stream = state.engine.generate(ids, params, job.id, job.arrival_time, cache_salt=req.cache_salt)
+        stream = state.engine.generate(ids, params, job.id, job.arrival_time, cache_salt=req.cache_salt,
+                                       deadline=job.arrival_time + state.limits.request_timeout)
     except (ValueError, RequestError) as e:
         raise APIError(getattr(e, "status", 400), str(e)) from None
     if req.stream:

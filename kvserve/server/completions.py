@@ -66,7 +66,8 @@ def _submit(state: ServerState, job: _Job, prompts: list[list[int]]) -> list[Req
     try:
         for i, ids in enumerate(prompts):
             streams.append(state.engine.generate(ids, job.params, f"{job.id}-{i}", job.arrival_time,
-                                                 cache_salt=job.req.cache_salt))
+                                                 cache_salt=job.req.cache_salt,
+                                                 deadline=job.arrival_time + state.limits.request_timeout))
     except (ValueError, RequestError) as e:
         for s in streams:
             s.close()

@@ -19,6 +19,7 @@ DEFAULT_MAX_STOP_TOKEN_IDS = 256  # --max-stop-token-ids
 DEFAULT_MAX_JSON_DEPTH = 32  # --max-json-depth: nesting of the request body (an OpenAI body needs ~6)
 DEFAULT_MAX_REQUEST_SEQS = 256  # --max-request-seqs: prompts x n of one request
 DEFAULT_MAX_TOKENS = 1024  # --max-tokens-default: output tokens of a request that names none
+DEFAULT_REQUEST_TIMEOUT_S = 600.0  # --request-timeout: from arrival to a forced finish ("length")
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class RequestLimits:
     max_json_depth: int = DEFAULT_MAX_JSON_DEPTH
     max_request_seqs: int = DEFAULT_MAX_REQUEST_SEQS
     max_tokens_default: int = DEFAULT_MAX_TOKENS
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S
 
     def default_max_tokens(self, max_tokens: int | None, prompt_tokens: int, max_model_len: int,
                            min_tokens: int = 0) -> int:
@@ -42,7 +44,10 @@ class RequestLimits:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if f.name == "request_timeout":
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                    raise ValueError(f"--request-timeout must be a positive number of seconds, got {value!r}")
+            elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{f.name.replace('_', '-')} must be a positive integer, got {value!r}")
         if self.max_n > 128:
             raise ValueError(f"--max-n must be at most 128 (OpenAI's limit), got {self.max_n}")
