@@ -103,6 +103,8 @@ def _add_serve_parser(sub) -> None:
                      help="require 'Authorization: Bearer KEY' on /v1 routes (visible in ps: prefer the next two)")
     srv.add_argument("--api-key-file", default=None, help="the API key from the first line of this file")
     srv.add_argument("--protect-metrics", action="store_true", help="/metrics and /stats want the API key too")
+    srv.add_argument("--max-connections", type=int, default=1024,
+                     help="open connections (streams included) before new ones get 503 (%(default)s)")
     srv.add_argument("--allowed-hosts", default=None,
                      help="comma list of Host header values to answer (e.g. localhost,127.0.0.1; '*.example.com' "
                           "wildcards); others get 400: a guard against DNS rebinding (default: any)")
@@ -388,7 +390,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server_limits = {k: getattr(args, k) for k in ("max_queue", "max_body_bytes") if getattr(args, k) is not None}
     opts = ServeOptions(host=args.host, port=args.port, served_model_name=args.served_model_name,
                         api_key=resolve_api_key(args.api_key, args.api_key_file),
-                        protect_metrics=args.protect_metrics,
+                        protect_metrics=args.protect_metrics, max_connections=args.max_connections,
                         allowed_hosts=None if args.allowed_hosts is None else args.allowed_hosts.split(","),
                         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
                         limits=RequestLimits(max_n=args.max_n, max_stop=args.max_stop, max_stop_chars=args.max_stop_chars,

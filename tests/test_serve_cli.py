@@ -81,6 +81,7 @@ def test_sigterm_lets_the_in_flight_stream_finish_and_exits_0():
     (["serve", "--max-n", "129"], "--max-n"),
     (["serve", "--protect-metrics"], "--protect-metrics needs an API key"),
     (["serve", "--allowed-hosts", "localhost,"], "--allowed-hosts"),
+    (["serve", "--max-connections", "0"], "--max-connections"),
 ])
 def test_bad_serve_flags_exit_2(argv, message, capsys):
     assert main(argv) == 2

@@ -139,3 +139,30 @@ def test_cache_salt_keeps_prefixes_apart(tiny):
         assert hits("alice") > 0 and hits(None) > 0
         bad = http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "cache_salt": ""})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
+
+
+def test_a_client_leaving_mid_upload_is_a_disconnect_not_an_error(tiny, caplog):
+    import logging
+    import socket
+    import time
+
+    with live_server(make_engine(tiny, kv_cache_gib=0.01), "tiny") as srv:
+        host, port = srv.url.removeprefix("http://").split(":")
+        with caplog.at_level(logging.INFO):
+            s = socket.create_connection((host, int(port)))
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1000\r\n\r\n{\"prompt\": ")
+            time.sleep(0.3)
+            s.close()  # 10 of 1000 bytes sent
+            time.sleep(0.5)
+        assert httpx.get(srv.url + "/health").status_code == 200
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+    assert any("disconnected while sending its request body" in r.getMessage() for r in caplog.records)
+
+
+def test_uvicorn_settings():
+    from kvserve.server.launch import ServeOptions, uvicorn_config
+
+    config = uvicorn_config(object(), ServeOptions(max_connections=7))
+    assert config.limit_concurrency == 7 and config.timeout_keep_alive == 5
+    assert config.h11_max_incomplete_event_size == 16 * 1024

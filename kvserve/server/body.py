@@ -9,15 +9,17 @@ object or nests deeper than the server allows (400), and pydantic's validation e
 from __future__ import annotations
 
 import json
+import logging
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from kvserve.server.errors import APIError, from_validation_error
 from kvserve.server.limits import RequestLimits
 
 M = TypeVar("M", bound=BaseModel)
+log = logging.getLogger(__name__)
 
 
 def _reject_constant(name: str) -> float:
@@ -45,7 +47,12 @@ def _check_unicode(obj: dict) -> None:
 
 async def parse_body(request: Request, model: type[M], limits: RequestLimits) -> M:
     _check_content_type(request)
-    raw = await request.body()
+    try:
+        raw = await request.body()
+    except ClientDisconnect:  # the client left mid-upload: nobody to answer, nothing went wrong here
+        log.info("client %s disconnected while sending its request body", request.client)
+        raise APIError(499, "the client disconnected before its request body arrived", None,
+                       "client_disconnected") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:

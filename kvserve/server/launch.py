@@ -40,6 +40,7 @@ class ServeOptions:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     limits: RequestLimits = field(default_factory=RequestLimits)
     protect_metrics: bool = False
+    max_connections: int = 1024  # uvicorn's limit_concurrency
     allowed_hosts: list[str] | None = None
     shutdown_timeout: float = 30.0
     log_level: str = "info"
@@ -90,12 +91,19 @@ def serve(config: EngineConfig, opts: ServeOptions) -> int:
     app = build_app(AsyncLLMEngine(engine), name, api_key=opts.api_key, max_queue=opts.max_queue,
                     max_body_bytes=opts.max_body_bytes, limits=opts.limits, protect_metrics=opts.protect_metrics,
                     allowed_hosts=opts.allowed_hosts)
-    uv_config = uvicorn.Config(app, host=opts.host, port=opts.port, log_level=opts.log_level,
-                               timeout_graceful_shutdown=5, timeout_keep_alive=5)
+    uv_config = uvicorn_config(app, opts)
     server = DrainingServer(uv_config, app.state.kvserve, opts.shutdown_timeout)
     log.info("serving %r on http://%s:%d (OpenAI API at /v1)", name, opts.host, opts.port)
     server.run()
     return 0 if server.started else 1
+
+
+def uvicorn_config(app, opts: ServeOptions) -> uvicorn.Config:
+    """uvicorn's settings: past `max_connections` open connections new ones get 503 at once;
+    an idle keep-alive connection is closed after 5 s; headers over 16 KiB are refused."""
+    return uvicorn.Config(app, host=opts.host, port=opts.port, log_level=opts.log_level,
+                          timeout_graceful_shutdown=5, timeout_keep_alive=5,
+                          limit_concurrency=opts.max_connections, h11_max_incomplete_event_size=16 * 1024)
 
 
 def resolve_api_key(flag: str | None, key_file: str | None, env: dict | None = None) -> str | None:
@@ -131,6 +139,8 @@ def _check_options(opts: ServeOptions) -> None:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {opts.shutdown_timeout}")
     if opts.api_key is not None and not opts.api_key:
         raise ValueError("--api-key must not be empty")
+    if opts.max_connections < 1:
+        raise ValueError(f"--max-connections must be >= 1, got {opts.max_connections}")
     if opts.protect_metrics and opts.api_key is None:
         raise ValueError("--protect-metrics needs an API key (--api-key, --api-key-file or KVSERVE_API_KEY)")
     if opts.allowed_hosts is not None and not all(h.strip() for h in opts.allowed_hosts):
