@@ -255,6 +255,12 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     sv.add_argument("--json", default=None)
     sv.add_argument("--plot", default=None, help="PNG of TTFT/TPOT vs output tok/s, one point per rate")
+    ho = bench.add_parser("hostile", help="hostile clients against a running server: 5xx, RSS, /health, normal latency")
+    ho.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (a server on this machine)")
+    ho.add_argument("--pid", type=positive_int, required=True, help="the server's process id (its RSS from /proc)")
+    ho.add_argument("--no-amplify", action="store_true", help="leave out 64 prompts x n 128 (GBs on a server without caps)")
+    ho.add_argument("--seed", type=int, default=0)
+    ho.add_argument("--json", default=None)
     return parser
 
 
@@ -299,6 +305,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from kvserve.bench.serve import main as serve
 
         return serve(args)
+    if args.bench == "hostile":
+        from kvserve.bench.hostile import main as hostile
+
+        return hostile(args)
     raise ValueError(f"unknown benchmark {args.bench!r}")
 
 

@@ -15,6 +15,7 @@ from kvserve import EngineConfig
 from kvserve.engine.async_engine import AsyncLLMEngine
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.server import build_app
+from kvserve.server.launch import ServeOptions, uvicorn_config
 
 
 class LiveServer:
@@ -25,7 +26,8 @@ class LiveServer:
         host, port = sock.getsockname()[:2]
         self.url = f"http://{host}:{port}"
         self._sock = sock
-        config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+        config = uvicorn_config(app, ServeOptions(log_level="warning"))  # the settings `kvserve serve` runs with
+        config.access_log = False
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
 
