@@ -35,6 +35,19 @@ PROGRAMS_PER_SM = 2
 MAX_PARTS = 32
 
 
+@triton.jit
+def _softmax_step(s, v, acc, m, l):
+    """One tile of online softmax: scores s [M, N] (-inf where masked), values v [N, D] fp32,
+    into the running weighted sum acc [M, D], max m [M] and sum l [M]."""
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    # A row that has seen nothing yet keeps m = -inf: shift by 0 there, not by -inf.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    return acc, m_new, l * alpha + tl.sum(p, axis=1)
+
+
 @triton.jit(do_not_specialize=["parts"])  # one compile for every part count
 def _decode_part_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, starts_ptr, lens_ptr,
@@ -79,13 +92,8 @@ def _decode_part_kernel(
         k = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=kv_ok, other=0.0)
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale  # [BLOCK_G, BLOCK_N]
         s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
         v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=kv_ok, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        l = l * alpha + tl.sum(p, axis=1)
-        m = m_new
+        acc, m, l = _softmax_step(s, v.to(tl.float32), acc, m, l)
     # Partials [B, H, parts, (D)]; an empty part leaves m = -inf, l = 0.
     row = (b * H + heads) * parts + part
     tl.store(part_m_ptr + row, m, mask=g_ok)
@@ -156,15 +164,8 @@ def _prefill_kernel(
         see = (pos[None, :] <= q_pos[:, None]) & ok[None, :]
         see = see & ((pos[None, :] > q_pos[:, None] - window) | (window <= 0))
         s = tl.where(see, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        # A row that has seen nothing yet keeps m = -inf: shift by 0 there, not by -inf.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        p = tl.exp(s - m_safe[:, None])
         v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=kv_ok, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        l = l * alpha + tl.sum(p, axis=1)
-        m = m_new
+        acc, m, l = _softmax_step(s, v.to(tl.float32), acc, m, l)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(out_ptr + t[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=t_ok[:, None] & d_ok[None, :])
