@@ -105,6 +105,9 @@ def _add_serve_parser(sub) -> None:
     srv.add_argument("--protect-metrics", action="store_true", help="/metrics and /stats want the API key too")
     srv.add_argument("--max-connections", type=int, default=1024,
                      help="open connections (streams included) before new ones get 503 (%(default)s)")
+    srv.add_argument("--header-timeout", type=float, default=10.0,
+                     help="seconds a client has to send its request headers before the connection is closed "
+                          "(%(default)s; against slowloris clients)")
     srv.add_argument("--allowed-hosts", default=None,
                      help="comma list of Host header values to answer (e.g. localhost,127.0.0.1; '*.example.com' "
                           "wildcards); others get 400: a guard against DNS rebinding (default: any)")
@@ -401,6 +404,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     opts = ServeOptions(host=args.host, port=args.port, served_model_name=args.served_model_name,
                         api_key=resolve_api_key(args.api_key, args.api_key_file),
                         protect_metrics=args.protect_metrics, max_connections=args.max_connections,
+                        header_timeout=args.header_timeout,
                         allowed_hosts=None if args.allowed_hosts is None else args.allowed_hosts.split(","),
                         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
                         limits=RequestLimits(max_n=args.max_n, max_stop=args.max_stop, max_stop_chars=args.max_stop_chars,

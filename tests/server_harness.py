@@ -19,14 +19,14 @@ from kvserve.server.launch import ServeOptions, uvicorn_config
 
 
 class LiveServer:
-    def __init__(self, app, sock: socket.socket):
+    def __init__(self, app, sock: socket.socket, options: ServeOptions | None = None):
         self.app = app
         self.state = app.state.kvserve
         self.engine: LLMEngine = self.state.engine.engine
         host, port = sock.getsockname()[:2]
         self.url = f"http://{host}:{port}"
         self._sock = sock
-        config = uvicorn_config(app, ServeOptions(log_level="warning"))  # the settings `kvserve serve` runs with
+        config = uvicorn_config(app, options or ServeOptions(log_level="warning"))  # as `kvserve serve` runs
         config.access_log = False
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -76,8 +76,11 @@ def make_engine(loaded, **config) -> LLMEngine:
 
 
 @contextmanager
-def live_server(engine: LLMEngine | AsyncLLMEngine, name: str = "test-model", **app_args) -> Iterator[LiveServer]:
-    server = LiveServer(build_app(engine, name, **app_args), free_socket()).start()
+def live_server(engine: LLMEngine | AsyncLLMEngine, name: str = "test-model", options: ServeOptions | None = None,
+                **app_args) -> Iterator[LiveServer]:
+    """A live server of build_app(engine, name, **app_args), uvicorn set up as `kvserve serve`
+    sets it up with `options`."""
+    server = LiveServer(build_app(engine, name, **app_args), free_socket(), options).start()
     try:
         yield server
     finally:

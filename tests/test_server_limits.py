@@ -166,3 +166,42 @@ def test_uvicorn_settings():
     config = uvicorn_config(object(), ServeOptions(max_connections=7))
     assert config.limit_concurrency == 7 and config.timeout_keep_alive == 5
     assert config.h11_max_incomplete_event_size == 16 * 1024
+
+
+def test_a_slowloris_client_is_cut_off(tiny):
+    """--header-timeout: headers trickled a byte at a time (each byte would reset uvicorn's
+    keep-alive timer) close the connection once the deadline passes; on a fresh connection and
+    on a kept-alive one after a first request. Other clients are served meanwhile."""
+    import socket
+    import time
+
+    from kvserve.server.launch import ServeOptions
+
+    def trickle(s: socket.socket, limit: float) -> float:
+        """Send a header a byte at a time until the server closes; seconds it took."""
+        t0 = time.monotonic()
+        s.settimeout(0.05)
+        for b in b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 10_000:
+            try:
+                s.sendall(bytes([b]))
+                if s.recv(1) == b"":
+                    break
+            except TimeoutError:
+                pass
+            except OSError:
+                break
+            if time.monotonic() - t0 > limit:
+                raise AssertionError("the slow client was never cut off")
+            time.sleep(0.05)
+        return time.monotonic() - t0
+
+    opts = ServeOptions(log_level="warning", header_timeout=1.0)
+    with live_server(make_engine(tiny, kv_cache_gib=0.01), "tiny", options=opts) as srv:
+        host, port = srv.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as s:
+            assert 0.8 < trickle(s, 6) < 4
+        assert httpx.get(srv.url + "/health").status_code == 200
+        with socket.create_connection((host, int(port))) as s:  # kept alive after one request
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert s.recv(4096).startswith(b"HTTP/1.1 200")
+            assert 0.8 < trickle(s, 6) < 4

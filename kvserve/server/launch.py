@@ -23,6 +23,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.async_engine import AsyncLLMEngine
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.server.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, build_app
+from kvserve.server.connections import DEFAULT_HEADER_TIMEOUT_S, with_header_timeout
 from kvserve.server.limits import RequestLimits
 from kvserve.server.state import ServerState
 
@@ -41,6 +42,7 @@ class ServeOptions:
     limits: RequestLimits = field(default_factory=RequestLimits)
     protect_metrics: bool = False
     max_connections: int = 1024  # uvicorn's limit_concurrency
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT_S
     allowed_hosts: list[str] | None = None
     shutdown_timeout: float = 30.0
     log_level: str = "info"
@@ -100,10 +102,12 @@ def serve(config: EngineConfig, opts: ServeOptions) -> int:
 
 def uvicorn_config(app, opts: ServeOptions) -> uvicorn.Config:
     """uvicorn's settings: past `max_connections` open connections new ones get 503 at once;
-    an idle keep-alive connection is closed after 5 s; headers over 16 KiB are refused."""
+    an idle keep-alive connection is closed after 5 s; headers over 16 KiB are refused, and
+    headers not complete within `header_timeout` s close the connection (connections.py)."""
     return uvicorn.Config(app, host=opts.host, port=opts.port, log_level=opts.log_level,
                           timeout_graceful_shutdown=5, timeout_keep_alive=5,
-                          limit_concurrency=opts.max_connections, h11_max_incomplete_event_size=16 * 1024)
+                          limit_concurrency=opts.max_connections, h11_max_incomplete_event_size=16 * 1024,
+                          http=with_header_timeout(opts.header_timeout))
 
 
 def resolve_api_key(flag: str | None, key_file: str | None, env: dict | None = None) -> str | None:
@@ -139,6 +143,8 @@ def _check_options(opts: ServeOptions) -> None:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {opts.shutdown_timeout}")
     if opts.api_key is not None and not opts.api_key:
         raise ValueError("--api-key must not be empty")
+    if not opts.header_timeout > 0:
+        raise ValueError(f"--header-timeout must be a positive number of seconds, got {opts.header_timeout}")
     if opts.max_connections < 1:
         raise ValueError(f"--max-connections must be >= 1, got {opts.max_connections}")
     if opts.protect_metrics and opts.api_key is None:
