@@ -108,6 +108,8 @@ def _add_serve_parser(sub) -> None:
     srv.add_argument("--header-timeout", type=float, default=10.0,
                      help="seconds a client has to send its request headers before the connection is closed "
                           "(%(default)s; against slowloris clients)")
+    srv.add_argument("--body-timeout", type=float, default=60.0,
+                     help="seconds a request body may take to arrive before a 408 (%(default)s)")
     srv.add_argument("--allowed-hosts", default=None,
                      help="comma list of Host header values to answer (e.g. localhost,127.0.0.1; '*.example.com' "
                           "wildcards); others get 400: a guard against DNS rebinding (default: any)")
@@ -404,7 +406,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     opts = ServeOptions(host=args.host, port=args.port, served_model_name=args.served_model_name,
                         api_key=resolve_api_key(args.api_key, args.api_key_file),
                         protect_metrics=args.protect_metrics, max_connections=args.max_connections,
-                        header_timeout=args.header_timeout,
+                        header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                         allowed_hosts=None if args.allowed_hosts is None else args.allowed_hosts.split(","),
                         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
                         limits=RequestLimits(max_n=args.max_n, max_stop=args.max_stop, max_stop_chars=args.max_stop_chars,

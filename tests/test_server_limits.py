@@ -205,3 +205,48 @@ def test_a_slowloris_client_is_cut_off(tiny):
             s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
             assert s.recv(4096).startswith(b"HTTP/1.1 200")
             assert 0.8 < trickle(s, 6) < 4
+
+
+def test_a_trickled_body_gets_408(tiny):
+    import socket
+    import time
+
+    with live_server(make_engine(tiny, kv_cache_gib=0.01), "tiny", body_timeout=1.0) as srv:
+        host, port = srv.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                      f"Content-Length: 500\r\n\r\n".encode())
+            t0 = time.monotonic()
+            answer = b""
+            s.settimeout(0.2)
+            while time.monotonic() - t0 < 6 and b"\r\n\r\n" not in answer:
+                try:
+                    s.sendall(b" ")  # a byte of body at a time
+                    answer += s.recv(4096)
+                except TimeoutError:
+                    pass
+                except OSError:
+                    break
+                time.sleep(0.1)
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+        assert 0.8 < time.monotonic() - t0 < 4
+        assert srv.wait_pool_full(5)
+
+
+def test_the_body_timeout_does_not_cut_a_long_generation(tiny):
+    """After the body is in, the handler's wait for a disconnect is not timed: a non-streaming
+    request that generates for longer than --body-timeout still gets its answer."""
+    import time
+
+    engine = make_engine(tiny, kv_cache_gib=0.01)
+    step = engine.step
+
+    def slow():
+        time.sleep(0.02)
+        return step()
+
+    engine.step = slow
+    with live_server(engine, "tiny", body_timeout=0.3) as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as http:
+        resp = http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 40, "ignore_eos": True})
+        assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 40

@@ -41,7 +41,7 @@ _PLACEHOLDER = ("<!doctype html><title>kvserve</title><h1>kvserve</h1><p>OpenAI-
 def build_app(engine: AsyncLLMEngine | LLMEngine, served_model_name: str, api_key: str | None = None,
               max_queue: int = DEFAULT_MAX_QUEUE, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               limits: RequestLimits | None = None, protect_metrics: bool = False,
-              allowed_hosts: list[str] | None = None) -> FastAPI:
+              allowed_hosts: list[str] | None = None, body_timeout: float = 60.0) -> FastAPI:
     async_engine = engine if isinstance(engine, AsyncLLMEngine) else AsyncLLMEngine(engine)
     metrics = ServerMetrics(async_engine.stats, served_model_name)
     if async_engine.observer is None:
@@ -49,7 +49,7 @@ def build_app(engine: AsyncLLMEngine | LLMEngine, served_model_name: str, api_ke
     core = async_engine.engine
     state = ServerState(async_engine, served_model_name, chat_template_for(core.model_config, core.tokenizer),
                         metrics, api_key, max_queue, max_body_bytes, limits or RequestLimits(),
-                        protect_ops=protect_metrics)
+                        protect_ops=protect_metrics, body_timeout=body_timeout)
     if protect_metrics and api_key is None:
         raise ValueError("--protect-metrics needs an API key (--api-key, --api-key-file or KVSERVE_API_KEY)")
 

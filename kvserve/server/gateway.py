@@ -6,12 +6,15 @@ through a task group and hides disconnects) that, for /v1/ requests:
 * checks the bearer token when an API key is set (401),
 * refuses a body over the limit: at once from Content-Length, and while reading by counting
   the bytes actually received (chunked uploads, lying headers) (413),
+* ends an upload that has not finished `body_timeout` seconds after it began (408): a client
+  trickling its body holds a connection and a handler,
 * counts in-flight requests, streams included, so a drain knows when they are done.
 /health and / stay open (probes carry no key); /metrics and /stats too, unless `protect_ops`
 (`--protect-metrics`) asks for the API key there as well.
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -40,7 +43,7 @@ class Gateway:
             return
         self.state.inflight += 1
         try:
-            await self.app(scope, _limited(receive, self.state.max_body_bytes), send)
+            await self.app(scope, _limited(receive, self.state.max_body_bytes, self.state.body_timeout), send)
         finally:
             self.state.inflight -= 1
 
@@ -75,13 +78,27 @@ def _authorized(header: bytes, key: str) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
 
 
-def _limited(receive: Receive, limit: int) -> Receive:
-    """`receive` that fails with 413 once more than `limit` body bytes have arrived."""
+def _limited(receive: Receive, limit: int, timeout: float) -> Receive:
+    """`receive` that fails with 413 once more than `limit` body bytes have arrived, and with 408
+    when the body is not complete `timeout` seconds after the first read. Once the body is in,
+    later calls (a handler waiting for the client to disconnect) pass through untimed."""
     total = 0
+    deadline: float | None = None
+    body_done = False
+    loop = asyncio.get_running_loop()
 
     async def wrapped() -> Message:
-        nonlocal total
-        message = await receive()
+        nonlocal total, deadline, body_done
+        if body_done:
+            return await receive()
+        if deadline is None:
+            deadline = loop.time() + timeout
+        try:
+            message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {timeout:g} s (--body-timeout)", None,
+                           "request_timeout") from None
+        body_done = message["type"] != "http.request" or not message.get("more_body", False)
         if message["type"] == "http.request":
             total += len(message.get("body", b""))
             if total > limit:

@@ -43,6 +43,7 @@ class ServeOptions:
     protect_metrics: bool = False
     max_connections: int = 1024  # uvicorn's limit_concurrency
     header_timeout: float = DEFAULT_HEADER_TIMEOUT_S
+    body_timeout: float = 60.0
     allowed_hosts: list[str] | None = None
     shutdown_timeout: float = 30.0
     log_level: str = "info"
@@ -92,7 +93,7 @@ def serve(config: EngineConfig, opts: ServeOptions) -> int:
     name = opts.served_model_name or (str(config.model) if config.model is not None else DEFAULT_MODEL_NAME)
     app = build_app(AsyncLLMEngine(engine), name, api_key=opts.api_key, max_queue=opts.max_queue,
                     max_body_bytes=opts.max_body_bytes, limits=opts.limits, protect_metrics=opts.protect_metrics,
-                    allowed_hosts=opts.allowed_hosts)
+                    allowed_hosts=opts.allowed_hosts, body_timeout=opts.body_timeout)
     uv_config = uvicorn_config(app, opts)
     server = DrainingServer(uv_config, app.state.kvserve, opts.shutdown_timeout)
     log.info("serving %r on http://%s:%d (OpenAI API at /v1)", name, opts.host, opts.port)
@@ -143,6 +144,8 @@ def _check_options(opts: ServeOptions) -> None:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {opts.shutdown_timeout}")
     if opts.api_key is not None and not opts.api_key:
         raise ValueError("--api-key must not be empty")
+    if not opts.body_timeout > 0:
+        raise ValueError(f"--body-timeout must be a positive number of seconds, got {opts.body_timeout}")
     if not opts.header_timeout > 0:
         raise ValueError(f"--header-timeout must be a positive number of seconds, got {opts.header_timeout}")
     if opts.max_connections < 1:

@@ -31,6 +31,7 @@ class ServerState:
     max_body_bytes: int
     limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may ask for
     protect_ops: bool = False  # /metrics and /stats want the API key too
+    body_timeout: float = 60.0  # seconds for a request body to arrive (408 after)
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False  # set on SIGTERM: new API requests get 503
     inflight: int = 0  # API requests being handled (streams included), counted by the gateway
