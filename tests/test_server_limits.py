@@ -250,3 +250,36 @@ def test_the_body_timeout_does_not_cut_a_long_generation(tiny):
             httpx.Client(base_url=srv.url, timeout=60) as http:
         resp = http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 40, "ignore_eos": True})
         assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 40
+
+
+def test_large_bodies_and_long_conversations_are_handled_off_the_event_loop(tiny, monkeypatch):
+    """Parsing a large body and rendering a long conversation run in worker threads, so they do
+    not stall other clients; small ones stay on the loop (a thread hop costs more than they do)."""
+    import threading
+
+    from kvserve.server import body, chat
+
+    threads: dict[str, set[str]] = {"parse": set(), "render": set()}
+    parse, render = body._parse, chat.render_messages
+
+    def parse_where(*a):
+        threads["parse"].add(threading.current_thread().name)
+        return parse(*a)
+
+    def render_where(*a):
+        threads["render"].add(threading.current_thread().name)
+        return render(*a)
+
+    monkeypatch.setattr(body, "_parse", parse_where)
+    monkeypatch.setattr(chat, "render_messages", render_where)
+    with live_server(make_engine(tiny, kv_cache_gib=0.01, max_model_len=512), "tiny", max_body_bytes=1 << 20) as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as http:
+        loop_thread = srv._thread.name
+        assert http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1}).status_code == 200
+        assert threads["parse"] == {loop_thread}
+        big = {"model": "tiny", "prompt": "x", "max_tokens": 1, "user": "u" * (100 * 1024)}
+        assert http.post("/v1/completions", json=big).status_code == 200
+        assert len(threads["parse"] - {loop_thread}) == 1
+        long_chat = {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}] * 100}
+        http.post("/v1/chat/completions", json=long_chat)  # past the context or not: rendered either way
+        assert threads["render"] - {loop_thread}

@@ -8,6 +8,7 @@ object or nests deeper than the server allows (400), and pydantic's validation e
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import TypeVar
@@ -19,6 +20,7 @@ from kvserve.server.errors import APIError, from_validation_error
 from kvserve.server.limits import RequestLimits
 
 M = TypeVar("M", bound=BaseModel)
+OFF_LOOP_BYTES = 64 * 1024  # bodies larger than this are parsed in a worker thread
 log = logging.getLogger(__name__)
 
 
@@ -53,6 +55,13 @@ async def parse_body(request: Request, model: type[M], limits: RequestLimits) ->
         log.info("client %s disconnected while sending its request body", request.client)
         raise APIError(499, "the client disconnected before its request body arrived", None,
                        "client_disconnected") from None
+    if len(raw) > OFF_LOOP_BYTES:  # parsing and validating megabytes takes long enough to stall others
+        return await asyncio.to_thread(_parse, raw, model, limits)
+    return _parse(raw, model, limits)
+
+
+def _parse(raw: bytes, model: type[M], limits: RequestLimits) -> M:
+    """Bytes -> the validated request model, each failure an APIError."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:

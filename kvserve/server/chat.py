@@ -6,6 +6,7 @@ final chunk with the finish_reason.
 """
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -22,6 +23,8 @@ from kvserve.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoi
                                      ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, Delta, Usage)
 from kvserve.server.state import Job, ServerState
 from kvserve.server.streams import DONE, SSEResponse, sse, unless_disconnected
+
+OFF_LOOP_CHARS = 64 * 1024  # conversations longer than this render in a worker thread
 
 
 @dataclass
@@ -69,7 +72,9 @@ def render_messages(state: ServerState, req: ChatCompletionRequest) -> str:
 
 
 async def _prompt_ids(state: ServerState, req: ChatCompletionRequest) -> list[int]:
-    text = render_messages(state, req)
+    # Rendering is a Jinja template over every message: off the event loop for long conversations.
+    many = sum(len(m.text) for m in req.messages) > OFF_LOOP_CHARS or len(req.messages) > 64
+    text = await asyncio.to_thread(render_messages, state, req) if many else render_messages(state, req)
     # The rendered text already starts with the template's BOS: add no special tokens again.
     ids = await state.engine.encode(text, add_special_tokens=False)
     if not ids:
