@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.bench.latency import decode_bytes_per_token
+from kvserve.bench.latency import decode_bytes_per_token, read_bandwidth_gbs
 from kvserve.bench.throughput import INPUT_RANGE, OUTPUT_RANGE, make_workload
 from kvserve.cli import positive_int
 from kvserve.loading import load_model
@@ -131,10 +131,6 @@ def free(device: str) -> None:
 
 
 # ---------------------------------------------------------------- models
-def gguf_model(path: Path, dtype: str, device: str):
-    return load_model(path, dtype, device)
-
-
 def write_tokenizer(folder: Path, vocab: int) -> None:
     """A word-level tokenizer of `vocab` tokens "<t0>".. (the synthetic model's text is meaningless)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -168,21 +164,6 @@ def hf_model(folder: Path, device: str, dtype: torch.dtype):
 
 
 # ---------------------------------------------------------------- measurements
-def read_bandwidth_gbs(device: str, gib: float = 4.0, repeats: int = 10) -> float:
-    """Median read bandwidth (GB/s) of a sum over a `gib` GiB tensor on the device."""
-    x = torch.ones(int(gib * 2**30 // 4), device=device)
-    x.sum()
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t = time.perf_counter()
-        x.sum()
-        sync(device)
-        times.append(time.perf_counter() - t)
-    del x
-    return int(gib * 2**30) / statistics.median(times) / 1e9
-
-
 def kvserve_speed(llm: LLM, vocab: int, bos: int | None, device: str, repeats: int, offline_requests: int,
                   output_len: int) -> dict:
     """Batch-1 decode and fresh 512-token TTFT (medians of `repeats`), and the offline workload."""
@@ -432,7 +413,7 @@ def run(args) -> dict:
     if args.device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # true fp32 matmuls: the CPU's numbers, other order
         torch.backends.cudnn.allow_tf32 = False
-    args.bandwidth_gbs = read_bandwidth_gbs(args.device, args.bandwidth_gib)
+    args.bandwidth_gbs = read_bandwidth_gbs(args.bandwidth_gib, repeats=10, device=args.device)
     out["environment"]["read_bandwidth_gbs"] = args.bandwidth_gbs
     print(f"{out['environment']}", flush=True)
     models = out["models"]
@@ -466,6 +447,16 @@ def run(args) -> dict:
     return out
 
 
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -484,9 +475,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speed-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--output-len", type=positive_int, default=128)
-    p.add_argument("--offline-requests", type=int, default=64)
-    p.add_argument("--kv-cache-gib", type=float, default=4.0)
-    p.add_argument("--bandwidth-gib", type=float, default=4.0)
+    p.add_argument("--offline-requests", type=positive_int, default=64)
+    p.add_argument("--kv-cache-gib", type=positive_float, default=4.0)
+    p.add_argument("--bandwidth-gib", type=positive_float, default=4.0)
     p.add_argument("--skip-speed", action="store_true", help="the greedy checks only")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-gemma", action="store_true")

@@ -188,3 +188,18 @@ def test_a_request_past_its_deadline_finishes_with_length(tmp_path):
         assert c.finish_reason == "length" and 0 < len(c.token_ids) < 50
         assert c.text == engine.tokenizer.decode(c.token_ids)
     assert engine.block_manager.num_free_blocks == engine.num_blocks
+
+
+def test_bad_cache_salt_or_deadline_is_named(tmp_path):
+    from kvserve.config import EngineConfig
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.loading import load_model
+    from tests.tiny_models import make_model
+
+    make_model("llama", tmp_path)
+    engine = LLMEngine(EngineConfig(kv_cache_gib=0.01), loaded=load_model(tmp_path))
+    with pytest.raises(ValueError, match="cache_salt must be a string"):
+        engine.add_request([2, 3], SamplingParams(max_tokens=1), cache_salt=7)
+    with pytest.raises(ValueError, match="deadline must be a number"):
+        engine.add_request([2, 3], SamplingParams(max_tokens=1), deadline="soon")
+    assert not engine.has_unfinished()

@@ -128,3 +128,10 @@ def test_prompt_count_must_be_positive(cuda_check, capsys):
     with pytest.raises(SystemExit):
         cuda_check.main(["--device", "cpu", "--prompts", "0"])
     assert "--prompts" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--bandwidth-gib", "--kv-cache-gib", "--offline-requests"])
+def test_sizes_must_be_positive(cuda_check, flag, capsys):
+    with pytest.raises(SystemExit):
+        cuda_check.main(["--device", "cpu", flag, "0"])
+    assert flag in capsys.readouterr().err

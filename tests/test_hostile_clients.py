@@ -47,3 +47,10 @@ def test_hostile_clients(tiny):
         assert srv.wait_pool_full(30), srv.state.engine.stats()
         assert http.post(C, json=fixed).json()["choices"][0]["text"] == reference
         assert srv.pool_is_full()
+
+
+def test_an_unknown_pid_is_named(capsys):
+    from kvserve.cli import main
+
+    assert main(["bench", "hostile", "--pid", "999999999"]) == 2
+    assert "--pid 999999999: no such process" in capsys.readouterr().err

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import httpx
 
+from kvserve.bench.serve import percentile
+
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 
 
@@ -243,11 +245,6 @@ class HostileReport:
     seconds: float = 0.0
 
 
-def _pctl(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
-
-
 def run_attack(url: str, pid: int | str = "self", amplify: bool = True, seed: int = 0,
                model: str | None = None) -> HostileReport:
     """Every attack once, with the watcher running; the report of what the server answered and
@@ -283,12 +280,15 @@ def run_attack(url: str, pid: int | str = "self", amplify: bool = True, seed: in
     report.health_failures = sum(s != 200 for s, _ in watch.health)
     report.normal_requests = len(watch.normal)
     report.normal_failures = sum(s != 200 for s in watch.normal_status)
-    report.normal_p50_s, report.normal_p99_s = _pctl(watch.normal, 0.5), _pctl(watch.normal, 0.99)
+    report.normal_p50_s = percentile(watch.normal, 50) or 0.0
+    report.normal_p99_s = percentile(watch.normal, 99) or 0.0
     report.normal_max_s = max(watch.normal, default=0.0)
     return report
 
 
 def main(args: argparse.Namespace) -> int:
+    if not Path(f"/proc/{args.pid}/status").is_file():
+        raise ValueError(f"--pid {args.pid}: no such process on this machine (its RSS is read from /proc)")
     r = run_attack(args.url, args.pid, amplify=not args.no_amplify, seed=args.seed)
     print(f"{sum(r.statuses.values())} answers {r.statuses} in {r.seconds:.1f} s; server errors: {len(r.server_errors)}")
     for e in r.server_errors[:20]:

@@ -59,14 +59,17 @@ def decode_bytes_per_token(loaded, context_len: int) -> int:
     return weights + kv
 
 
-def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:
-    """Median read bandwidth (GB/s) of a sum over a `gib` GiB fp32 tensor."""
-    x = torch.ones(int(gib * 2**30 // 4))
+def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5, device: str = "cpu") -> float:
+    """Median read bandwidth (GB/s) of a sum over a `gib` GiB fp32 tensor on `device`."""
+    x = torch.ones(int(gib * 2**30 // 4), device=device)
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     x.sum()
     times = []
     for _ in range(repeats):
+        sync()
         t = time.perf_counter()
         x.sum()
+        sync()
         times.append(time.perf_counter() - t)
     return x.numel() * 4 / statistics.median(times) / 1e9
 

@@ -303,6 +303,10 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float))):
+            raise ValueError(f"deadline must be a number (the engine clock's seconds), got {deadline!r}")
         request_id = str(next(self._request_ids)) if request_id is None else request_id
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
