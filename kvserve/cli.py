@@ -86,6 +86,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_serve_parser(sub) -> None:
+    from kvserve.engine.async_engine import DEFAULT_MAX_UNREAD_TOKENS
     from kvserve.server.limits import (DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_SEQS,
                                        DEFAULT_MAX_STOP, DEFAULT_MAX_STOP_CHARS, DEFAULT_MAX_STOP_TOKEN_IDS,
                                        DEFAULT_MAX_TOKENS, DEFAULT_REQUEST_TIMEOUT_S)
@@ -131,6 +132,9 @@ def _add_serve_parser(sub) -> None:
     lim.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
                      help="seconds from arrival after which a request finishes with finish_reason 'length' "
                           "(%(default)s)")
+    srv.add_argument("--max-stream-backlog", type=positive_int, default=DEFAULT_MAX_UNREAD_TOKENS,
+                     help="output tokens of one sample a streaming client may leave unread before its request "
+                          "is aborted and its KV blocks freed (%(default)s)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="on SIGTERM, seconds in-flight requests get to finish before they are aborted")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -407,6 +411,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         api_key=resolve_api_key(args.api_key, args.api_key_file),
                         protect_metrics=args.protect_metrics, max_connections=args.max_connections,
                         header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                        max_stream_backlog=args.max_stream_backlog,
                         allowed_hosts=None if args.allowed_hosts is None else args.allowed_hosts.split(","),
                         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
                         limits=RequestLimits(max_n=args.max_n, max_stop=args.max_stop, max_stop_chars=args.max_stop_chars,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,14 @@ def _check_bool(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
 
 
+class RequestOutputKind(enum.Enum):
+    """What each of a request's outputs carries (vLLM's names)."""
+
+    CUMULATIVE = "cumulative"  # everything so far, every step (the Python API's default)
+    DELTA = "delta"  # only what is new since the previous output (what a stream sends)
+    FINAL_ONLY = "final_only"  # one output, when the request finishes (a non-streamed response)
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop, for one request.
@@ -60,6 +69,7 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self._validate_counts()
@@ -67,6 +77,8 @@ class SamplingParams:
         self._validate_stops()
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             _check_bool(name, getattr(self, name))
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
     def _validate_counts(self) -> None:
         _check_int("n", self.n)

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvserve.sampling.stop import IncrementalDetokenizer, StopChecker
 
 
 class SequenceStatus(enum.Enum):
@@ -57,8 +60,19 @@ class Sequence:
     finished_time: float | None = None
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
-    # Engine-owned helpers (RNG, detokenizer, stop checker); opaque here.
-    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+    # Extra block-hash keys (a tenant's cache salt): prefix blocks are shared only among
+    # sequences carrying the same keys.
+    cache_salt: tuple = ()
+    # Set by the engine when the request is added. `generator` is a torch.Generator for a
+    # seeded sample (typed Any so that this module stays torch-free).
+    generator: Any = field(default=None, repr=False)
+    detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False)
+    stop_checker: StopChecker | None = field(default=None, repr=False)
+    # Streamed text in pieces (joined only when an output needs all of it) and how much of
+    # it, and of the tokens, earlier outputs reported.
+    text_parts: list[str] = field(default_factory=list, repr=False)
+    num_text_parts_reported: int = 0
+    num_tokens_reported: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -4,11 +4,13 @@ per request."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
 
 from kvserve import LLM, SamplingParams
+from kvserve.sampling_params import RequestOutputKind
 from kvserve.engine.async_engine import AsyncLLMEngine, RequestError
 from kvserve.loading import load_model
 from tests.server_harness import make_engine
@@ -177,3 +179,53 @@ def test_a_consumer_that_stops_reading_holds_one_output(tiny_llama):
     for c in outs[0].outputs:
         assert c.delta_token_ids == c.token_ids and len(c.token_ids) == 30
         assert c.delta_text == c.text
+
+
+def test_delta_outputs_merged_while_unread_add_up(tiny_llama):
+    """With DELTA outputs (what the server streams) a stalled reader's one pending output holds
+    every unread token, text piece and logprob, in order."""
+    cumulative = SamplingParams(temperature=0.8, seed=3, max_tokens=20, ignore_eos=True, logprobs=1, n=2)
+    delta = dataclasses.replace(cumulative, output_kind=RequestOutputKind.DELTA)
+
+    async def body(engine):
+        ref = (await _drain(engine.generate([2, 5, 6, 7], cumulative, "ref")))[-1]
+        stream = engine.generate([2, 5, 6, 7], delta, "stalled")
+        first = await stream.__anext__()
+        while engine.num_unfinished:
+            await asyncio.sleep(0.01)
+        return ref, [first] + await _drain(stream)
+
+    (ref, outs), _ = _run(tiny_llama, body)
+    assert len(outs) == 2
+    for c in ref.outputs:
+        parts = [o.outputs[c.index] for o in outs]
+        assert "".join(p.text for p in parts) == c.text and sum((p.token_ids for p in parts), []) == c.token_ids
+        assert sum((p.logprobs for p in parts), []) == c.logprobs
+        assert sum((p.top_logprobs for p in parts), []) == c.top_logprobs
+
+
+def test_a_reader_too_far_behind_is_aborted(tiny_llama):
+    """Past max_unread_tokens unread tokens the request is aborted (its blocks freed) and the
+    reader, coming back, gets an error instead of a backlog."""
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    async def body(engine):
+        stream = engine.generate([2, 5, 6, 7], params, "stalled")
+        freed = await _wait_pool_full(engine, timeout=20)
+        with pytest.raises(RequestError) as e:
+            await _drain(stream)
+        return freed, e.value, engine.engine.stats()
+
+    engine = AsyncLLMEngine(make_engine(tiny_llama, kv_cache_gib=0.01), max_unread_tokens=8)
+
+    async def main():
+        engine.start()
+        try:
+            return await body(engine)
+        finally:
+            await engine.shutdown()
+
+    freed, err, stats = asyncio.run(main())
+    assert freed, stats
+    assert err.status == 408 and "backlog" in str(err)
+    assert engine.loop_iterations < 100  # given up after a few steps, not after 400

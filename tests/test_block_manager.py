@@ -29,7 +29,7 @@ def make_seq(prompt: list[int], salt=None) -> Sequence:
     sid = next(_ids)
     seq = Sequence(sid, f"req-{sid}", list(prompt), Params(), 0.0)
     if salt is not None:
-        seq.extra["cache_salt"] = salt
+        seq.cache_salt = salt if isinstance(salt, tuple) else (salt,)
     return seq
 
 

@@ -345,3 +345,46 @@ def test_detokenizer_and_stop_checker_together(name: str, include: bool) -> None
     assert res.finished and res.stop_reason == "P her"
     expected = "Emoji time 😀🎉 and 日本語 STOP her" if include else "Emoji time 😀🎉 and 日本語 STO"
     assert streamed == checker.final_text() == expected
+
+
+def _reference_held(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+    return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    chunks=st.lists(st.text(alphabet="ab", max_size=3), max_size=12),
+    stops=st.lists(st.text(alphabet="ab", min_size=1, max_size=5), min_size=1, max_size=6),
+    min_tokens=st.integers(0, 6),
+)
+def test_each_step_streams_all_but_a_possible_stop_prefix(chunks: list[str], stops: list[str], min_tokens: int) -> None:
+    """Per step, not only in total: what is held back is exactly the longest suffix that could
+    still begin a stop string, and a stop completing before min_tokens is passed over (the
+    matcher keeps its state through it)."""
+    params = SamplingParams(stop=stops, max_tokens=None, min_tokens=min_tokens)
+    results, streamed, _ = run_checker(params, chunks)
+    text = ""
+    for n, (chunk, res) in enumerate(zip(chunks, results), 1):
+        before, text = text, text + chunk
+        # Occurrences ending inside this chunk, earliest end first, then the longest.
+        ends = sorted((i + len(s), -len(s), s) for s in stops
+                      for i in range(max(0, len(before) - len(s) + 1), len(text) - len(s) + 1)
+                      if text.startswith(s, i))
+        if n >= min_tokens and ends:
+            end, _, stop = ends[0]
+            assert res.finished and res.stop_reason == stop
+            assert streamed == text[: end - len(stop)]
+            return
+        assert not res.finished
+        assert "".join(r.emit for r in results[:n]) == text[: len(text) - _reference_held(text, stops)]
+
+
+def test_one_stop_matcher_serves_every_sample_of_a_request() -> None:
+    """Samples share the compiled stop strings and keep separate states."""
+    params = SamplingParams(stop=["ab", "ba"], max_tokens=None)
+    a, b = StopChecker.for_samples(params, [EOS], 100, n=2)
+    assert a.matcher is b.matcher and a.stop_token_ids is b.stop_token_ids
+    assert a.check(5, "a", 1, 2).emit == "" and b.check(5, "b", 1, 2).emit == ""
+    assert a.check(5, "a", 2, 3).emit == "a" and b.check(5, "a", 2, 3).stop_reason == "ba"
+    assert a.check(5, "b", 3, 4).stop_reason == "ab"

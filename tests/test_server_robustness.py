@@ -132,6 +132,36 @@ def test_engine_step_failure_fails_the_request_and_keeps_serving(tiny_llama):
         assert srv.wait_pool_full(10)
 
 
+def test_a_failure_pinned_on_one_request_fails_only_it(tiny_llama):
+    """The engine runs a failed step's sequences alone: the request whose pass fails gets a 500
+    (a log reference, no exception text), the one batched with it is answered in full."""
+    engine = make_engine(tiny_llama, kv_cache_gib=0.01)
+    poison = 7
+    execute_greedy = engine.runner.execute_greedy
+
+    def fragile(inputs, *args, **kwargs):
+        if any(poison in i.token_ids for i in inputs):
+            raise RuntimeError("simulated kernel fault")
+        return execute_greedy(inputs, *args, **kwargs)
+
+    engine.runner.execute_greedy = fragile
+    _slow_steps(engine, 0.02)  # both requests reach the engine before its first step ends
+    good = {"model": MODEL, "prompt": [2, 5, 6], "max_tokens": 6, "ignore_eos": True, "temperature": 0}
+    bad = {**good, "prompt": [2, poison, 6]}
+
+    async def both(url):
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            return await asyncio.gather(http.post(C, json=good), http.post(C, json=bad))
+
+    with live_server(engine, MODEL) as srv:
+        ok, failed = asyncio.run(both(srv.url))
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 6
+        err = failed.json()["error"]
+        assert failed.status_code == 500 and "log reference" in err["message"] and "simulated" not in err["message"]
+        assert httpx.get(srv.url + "/health").status_code == 200
+        assert srv.wait_pool_full(10)
+
+
 def test_steps_failing_in_a_row_make_the_engine_unhealthy(tiny_llama):
     """A failure no request can be blamed for (every step fails): after UNHEALTHY_AFTER in a row
     /health answers 503 and new requests get 503 at once instead of queueing forever."""

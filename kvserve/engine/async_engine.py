@@ -29,15 +29,18 @@ import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.metrics import RequestMetrics
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import RequestOutputKind, SamplingParams
 
 log = logging.getLogger(__name__)
 UNHEALTHY_AFTER = 3  # failed steps in a row before the engine reports itself unhealthy
+# Tokens of one sample a stream's reader may leave unread before the request is aborted. A
+# reader that keeps up holds at most a step's worth (plus what socket buffers absorb first).
+DEFAULT_MAX_UNREAD_TOKENS = 512
 
 
 def _reference() -> str:
@@ -65,20 +68,44 @@ class OutputObserver(Protocol):
 
 class _Mailbox:
     """A request's undelivered outputs, on its caller's event loop. An output arriving while the
-    previous one is still unread replaces it, carrying both steps' deltas (every output is
-    cumulative otherwise), so a client that stops reading holds one output, not one per step."""
+    previous one is still unread replaces it, carrying both steps' news, so a client that stops
+    reading holds one output, not one per step; and once that unread output holds more than
+    `max_unread_tokens` tokens of one sample, the request is given up: `on_overflow` runs (the
+    engine aborts it, freeing its blocks) and the reader, if it ever comes back, gets an error."""
 
-    def __init__(self):
+    def __init__(self, delta: bool = False, max_unread_tokens: int | None = None,
+                 on_overflow: Callable[[], None] | None = None):
         self._items: collections.deque[RequestOutput | BaseException] = collections.deque()
         self._ready = asyncio.Event()
+        self._delta = delta  # outputs carry only what is new (RequestOutputKind.DELTA)
+        self._max_unread = max_unread_tokens
+        self._on_overflow = on_overflow
+        self._overflowed = False
 
     def put(self, item: RequestOutput | BaseException) -> None:
+        if self._overflowed:
+            return
         last = self._items[-1] if self._items else None
         if isinstance(item, RequestOutput) and isinstance(last, RequestOutput):
             self._items.pop()
-            item = _with_earlier_deltas(item, last)
+            item = _with_earlier(item, last, self._delta)
+            if not item.finished and self._too_far_behind(item):
+                self._overflow()
+                return
         self._items.append(item)
         self._ready.set()
+
+    def _too_far_behind(self, item: RequestOutput) -> bool:
+        return self._max_unread is not None and max(len(c.delta_token_ids) for c in item.outputs) > self._max_unread
+
+    def _overflow(self) -> None:
+        self._overflowed = True
+        self._items.clear()
+        self._items.append(RequestError(f"the client read no output for more than {self._max_unread} tokens "
+                                        "(the stream's backlog limit); the request was aborted", 408))
+        self._ready.set()
+        if self._on_overflow is not None:
+            self._on_overflow()
 
     async def get(self) -> RequestOutput | BaseException:
         while not self._items:
@@ -90,8 +117,9 @@ class _Mailbox:
         return len(self._items)
 
 
-def _with_earlier_deltas(out: RequestOutput, earlier: RequestOutput) -> RequestOutput:
-    """`out` whose deltas also hold the unread deltas of `earlier` (same request, one step before)."""
+def _with_earlier(out: RequestOutput, earlier: RequestOutput, delta: bool) -> RequestOutput:
+    """`out` that also carries the unread news of `earlier` (same request, an earlier step): its
+    deltas, and with delta outputs its text, tokens and logprobs as well."""
     before = {c.index: c for c in earlier.outputs}
     merged = []
     for c in out.outputs:
@@ -99,6 +127,10 @@ def _with_earlier_deltas(out: RequestOutput, earlier: RequestOutput) -> RequestO
         if e is not None:
             c = dataclasses.replace(c, delta_text=e.delta_text + c.delta_text,
                                     delta_token_ids=e.delta_token_ids + c.delta_token_ids)
+            if delta:
+                c.text, c.token_ids = e.text + c.text, e.token_ids + c.token_ids
+                if c.logprobs is not None:
+                    c.logprobs, c.top_logprobs = e.logprobs + c.logprobs, e.top_logprobs + c.top_logprobs
         merged.append(c)
     return dataclasses.replace(out, outputs=merged)
 
@@ -113,6 +145,7 @@ class _Stream:
     n: int
     prompt_token_ids: list[int] | None
     arrival_time: float
+    delta: bool = False  # its outputs carry only what is new
     last: RequestOutput | None = None
     cancelled: bool = False  # the consumer went away; drop anything still coming
 
@@ -192,8 +225,13 @@ class RequestStream:
 
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, *, tokenizer_threads: int = 2,
-                 observer: OutputObserver | None = None):
+                 observer: OutputObserver | None = None, max_unread_tokens: int | None = DEFAULT_MAX_UNREAD_TOKENS):
+        """`max_unread_tokens`: a consumer that leaves more than this many tokens of one sample
+        unread has its request aborted (None: never; the output kept unread is still one)."""
+        if max_unread_tokens is not None and (isinstance(max_unread_tokens, bool) or max_unread_tokens < 1):
+            raise ValueError(f"max_unread_tokens must be >= 1 or None, got {max_unread_tokens!r}")
         self.engine = engine
+        self.max_unread_tokens = max_unread_tokens
         self.observer = observer
         self._cv = threading.Condition()
         self._commands: list[_Add | _Abort] = []  # guarded by _cv
@@ -270,7 +308,9 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         ids = list(prompt) if not isinstance(prompt, str) else None
         arrival = self.engine.clock() if arrival_time is None else arrival_time
-        stream = _Stream(request_id, loop, _Mailbox(), params.n, ids, arrival)
+        delta = params.output_kind is RequestOutputKind.DELTA
+        mailbox = _Mailbox(delta, self.max_unread_tokens, lambda: self._give_up(request_id))
+        stream = _Stream(request_id, loop, mailbox, params.n, ids, arrival, delta)
         with self._cv:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
@@ -289,6 +329,16 @@ class AsyncLLMEngine:
         with self._cv:
             self._commands.append(_Abort(request_id, notify))
             self._cv.notify()
+
+    def _give_up(self, request_id: str) -> None:
+        """The consumer stopped reading (its mailbox overflowed): abort, deliver nothing more."""
+        log.warning("request %s: its reader fell more than %s tokens behind; aborted", request_id,
+                    self.max_unread_tokens)
+        with self._cv:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.cancelled = True
+        self.abort(request_id, notify=False)
 
     def abort_all(self) -> None:
         with self._cv:
@@ -379,7 +429,7 @@ class AsyncLLMEngine:
                 continue  # aborted while the step ran
             if out.error is not None:
                 self._observe(stream, out)
-                self._fail(stream, RequestError(out.error, 400))
+                self._fail(stream, RequestError(out.error, out.error_status))
             else:
                 self._deliver(stream, out)
 
@@ -471,5 +521,8 @@ def _aborted_output(stream: _Stream, now: float) -> RequestOutput:
         return RequestOutput(stream.request_id, None, ids, comps, True, metrics)
     comps = [dataclasses.replace(c, finish_reason=c.finish_reason or "abort", delta_text="", delta_token_ids=[])
              for c in last.outputs]
+    if stream.delta:  # nothing new since the last output
+        comps = [dataclasses.replace(c, text="", token_ids=[], logprobs=None if c.logprobs is None else [],
+                                     top_logprobs=None if c.top_logprobs is None else []) for c in comps]
     metrics = dataclasses.replace(last.metrics, finished_time=now)
     return dataclasses.replace(last, outputs=comps, finished=True, metrics=metrics)

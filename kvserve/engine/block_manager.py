@@ -41,9 +41,9 @@ the set of in-flight blocks of a sequence is always the logical range
 `[num_registered, min(len(block_table), num_prompt_tokens // block_size))`. Logical blocks are
 the same in every group, so group 0's table and hash map stand for all.
 
-Extra keys: a request may carry `seq.extra["cache_salt"]` (a LoRA name, a per-user salt,
+Extra keys: a request may carry `seq.cache_salt`, a tuple (a LoRA name, a per-user salt,
 ...). It is mixed into every block hash so requests with different salts never share K/V.
-Use ints, strings or tuples of them (it is hashed through `repr`).
+Use ints and strings in it (it is hashed through `repr`).
 """
 from __future__ import annotations
 
@@ -57,7 +57,6 @@ if TYPE_CHECKING:
     from kvserve.sequence import Sequence
 
 BlockHash = bytes
-CACHE_SALT_KEY = "cache_salt"  # key in `Sequence.extra` holding the request's extra hash keys
 NULL_BLOCK = -1  # a table entry whose block a sliding-window group released: never read or written
 _ROOT_HASH: BlockHash = bytes(32)  # parent hash of a sequence's first block
 
@@ -74,11 +73,8 @@ def hash_block(parent: BlockHash, tokens: tuple[int, ...], extra_keys: tuple = (
 
 
 def extra_keys_of(seq: Sequence) -> tuple:
-    """The request's extra hash keys as a tuple (a bare value counts as a 1-tuple)."""
-    salt = seq.extra.get(CACHE_SALT_KEY, ())
-    if salt is None:
-        return ()
-    return salt if isinstance(salt, tuple) else (salt,)
+    """The request's extra hash keys (`Sequence.cache_salt`)."""
+    return seq.cache_salt
 
 
 def _num_registrable(seq: Sequence) -> int:

@@ -10,16 +10,17 @@ import dataclasses
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+import uuid
 
 import torch
 
 from kvserve.config import EngineConfig
-from kvserve.engine.block_manager import CACHE_SALT_KEY, BlockManager
+from kvserve.engine.block_manager import BlockManager
 from kvserve.engine.cuda_graphs import DecodeGraphs
 from kvserve.engine.metrics import RequestMetrics
 from kvserve.engine.model_runner import ModelRunner, StepInput
-from kvserve.engine.outputs import CompletionOutput, RequestOutput
+from kvserve.engine.output_processor import OutputProcessor, RequestState
+from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.kernels.host_memory import keep_freed_memory
 from kvserve.loading import LoadedModel, load_model
@@ -31,7 +32,6 @@ from kvserve.model.panels import use_panel_kernels
 from kvserve.model.streaming import StreamPolicy, layer_policies
 from kvserve.sampling import Sampler, SamplingRequest
 from kvserve.sampling.sampler import penalizes as _needs_penalties
-from kvserve.sampling.stop import IncrementalDetokenizer, StopChecker
 from kvserve.sampling_params import SamplingParams
 from kvserve.sequence import Sequence, SequenceStatus
 from kvserve.spec.proposers import Draft, ModelDrafter, NgramDrafter
@@ -43,23 +43,6 @@ log = logging.getLogger(__name__)
 STREAMING_MAX_MODEL_LEN = 1 << 20
 
 _FINISH = {"stop": SequenceStatus.FINISHED_STOPPED, "length": SequenceStatus.FINISHED_LENGTH}
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]
-    metrics: RequestMetrics
-    error: str | None = None
-    emitted: dict[int, int] = field(default_factory=dict)  # seq index -> tokens already reported
-    deadline: float | None = None  # engine clock: past it, the request finishes with "length"
-
-    @property
-    def finished(self) -> bool:
-        return all(s.finished for s in self.seqs)
 
 
 class LLMEngine:
@@ -110,9 +93,10 @@ class LLMEngine:
                                    enable_chunked_prefill=cfg.enable_chunked_prefill,
                                    num_speculative_tokens=cfg.num_speculative_tokens if cfg.speculative else 0)
         self.sampler = Sampler(self.tokenizer.eos_token_ids)
+        self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         if graphs:
             self._capture_cuda_graphs()
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, RequestState] = {}
         self.num_prompt_tokens_computed = 0  # prompt tokens that went through the model (not cache hits)
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
@@ -315,15 +299,14 @@ class LLMEngine:
             raise ValueError(f"prompt has {len(ids)} tokens; the context window (max_model_len) is "
                              f"{self.max_model_len}, leaving no room for output")
         seqs = [Sequence(next(self._seq_ids), request_id, list(ids), params, arrival, index=i) for i in range(params.n)]
+        self.output_processor.attach(seqs, params, ids)
         for s in seqs:
             if cache_salt is not None:
-                s.extra[CACHE_SALT_KEY] = ("salt", cache_salt)
-            s.extra["generator"] = self._generator(params, s.index)
-            s.extra["detok"] = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-            s.extra["stop"] = StopChecker(params, self.tokenizer.eos_token_ids, self.max_model_len)
+                s.cache_salt = ("salt", cache_salt)
+            s.generator = self._generator(params, s.index)
             if self.draft_runner is not None and not _needs_penalties(params):
                 s.num_draft_computed = 0  # its draft cache starts empty (a prefix hit fills it)
-        req = _Request(request_id, prompt if isinstance(prompt, str) else None, ids, params, seqs,
+        req = RequestState(request_id, prompt if isinstance(prompt, str) else None, ids, params, seqs,
                        RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(ids)), deadline=deadline)
         self.requests[request_id] = req
         # n > 1: only the first sample is scheduled; the others fork from it once the prompt is
@@ -386,8 +369,8 @@ class LLMEngine:
                     s.finish(SequenceStatus.FINISHED_ERROR, now)
             touched.add(seq.request_id)
         if sched.scheduled:
-            self._execute(sched, touched)
-        return self._collect(touched)
+            self._execute_isolating(sched, touched)
+        return self.output_processor.make_outputs(self.requests, touched)
 
     def _expire(self, now: float, touched: set[str]) -> None:
         """Requests past their deadline finish now, with finish_reason "length" and the text
@@ -399,10 +382,51 @@ class LLMEngine:
                 if s.finished:
                     continue
                 self.scheduler.finish(s)
-                self._emit(s, s.extra["stop"].expire())
-                self._emit(s, s.extra["detok"].flush())
+                self.output_processor.expire(s)
                 s.finish(SequenceStatus.FINISHED_LENGTH, now)
             touched.add(rid)
+
+    def _execute_isolating(self, sched: SchedulerOutput, touched: set[str]) -> None:
+        """Run the step; if it fails, run each scheduled sequence alone, so that only a request
+        whose own pass fails ends (with an error, its blocks freed) and the others go on.
+
+        A retry is safe because nothing a pass depends on changes before its per-request phase
+        (which catches its own errors): positions are rewritten with the same K/V, and copying a
+        block again only restores what its new owner rewrites."""
+        try:
+            self._execute(sched, touched)
+            return
+        except Exception as exc:
+            if len(sched.scheduled) == 1:
+                self._fail_request(sched.scheduled[0].seq.request_id, exc, touched)
+                return
+            log.warning("a step over %d sequences failed (%s); running each alone", len(sched.scheduled),
+                        type(exc).__name__)
+        for i, item in enumerate(sched.scheduled):
+            if item.seq.finished:
+                continue  # its request failed with another of its sequences
+            alone = SchedulerOutput([item], block_copies=sched.block_copies if i == 0 else [])
+            try:
+                self._execute(alone, touched)
+            except Exception as exc:
+                self._fail_request(item.seq.request_id, exc, touched)
+
+    def _fail_request(self, request_id: str, exc: BaseException, touched: set[str]) -> None:
+        """End a request the engine failed on: its samples finish with "error", its blocks are
+        freed; the caller sees a reference to the log entry, never the exception's text."""
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return
+        ref = uuid.uuid4().hex[:12]
+        log.error("request %s failed in the engine [%s]", request_id, ref, exc_info=exc)
+        req.error = f"internal engine error (log reference {ref})"
+        req.error_status = 500
+        self.scheduler.abort(request_id)
+        now = self.clock()
+        for s in req.seqs:
+            if not s.finished or s.status is SequenceStatus.FINISHED_ABORTED:
+                s.finish(SequenceStatus.FINISHED_ERROR, now)
+        touched.add(request_id)
 
     def _execute(self, sched: SchedulerOutput, touched: set[str]) -> None:
         self.runner.copy_blocks(sched.block_copies, self.config.block_size)
@@ -461,11 +485,24 @@ class LLMEngine:
                 touched.add(seq.request_id)
         elif samplers:
             for group_rows, seqs in self._sampling_groups(rows, samplers):
-                out = self.sampler(self._rows_of(logits, group_rows), [self._sampling_request(s) for s in seqs])
-                now = self.clock()
-                for i, seq in enumerate(seqs):
-                    self._append(seq, out.token_ids[i], out.logprobs[i], out.top_logprobs[i], now)
-                    touched.add(seq.request_id)
+                self._sample(logits, group_rows, seqs, touched)
+
+    def _sample(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence], touched: set[str]) -> None:
+        """Sample and append one group's tokens. A group that fails is sampled a sequence at a
+        time, so only a request that fails alone ends."""
+        try:
+            out = self.sampler(self._rows_of(logits, rows), [self._sampling_request(s) for s in seqs])
+        except Exception as exc:
+            if len(seqs) == 1:
+                self._fail_request(seqs[0].request_id, exc, touched)
+                return
+            for row, seq in zip(rows, seqs):
+                self._sample(logits, [row], [seq], touched)
+            return
+        now = self.clock()
+        for i, seq in enumerate(seqs):
+            self._append(seq, out.token_ids[i], out.logprobs[i], out.top_logprobs[i], now)
+            touched.add(seq.request_id)
 
     @staticmethod
     def _sampling_groups(rows: list[int], samplers: list[Sequence]):
@@ -514,7 +551,7 @@ class LLMEngine:
 
     @staticmethod
     def _sampling_request(seq: Sequence) -> SamplingRequest:
-        return SamplingRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.extra["generator"])
+        return SamplingRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator)
 
     # ---------------------------------------------------------------- speculative decoding
     def _make_drafter(self):
@@ -614,7 +651,7 @@ class LLMEngine:
         target = logits[rows]
         ds = [drafts[id(it)] for it in items]
         res = rejection_sample(target, [d.token_ids for d in ds], [d.probs for d in ds],
-                               [it.seq.params for it in items], [it.seq.extra["generator"] for it in items])
+                               [it.seq.params for it in items], [it.seq.generator for it in items])
         out, offset = [], 0
         for it, tokens, accepted in zip(items, res.token_ids, res.num_accepted):
             self._count_accepted(it, accepted)
@@ -654,6 +691,14 @@ class LLMEngine:
         return children
 
     def _append(self, seq: Sequence, token: int, logprob: float, top: dict | None, now: float) -> None:
+        if seq.finished:
+            return  # its request failed with one of its other samples
+        try:
+            self._append_token(seq, token, logprob, top, now)
+        except Exception as exc:  # detokenizing or stop checking this request failed
+            self._fail_request(seq.request_id, exc, {seq.request_id})
+
+    def _append_token(self, seq: Sequence, token: int, logprob: float, top: dict | None, now: float) -> None:
         seq.append_token(token, now)
         seq.max_spec_tokens = self._spec_budget(seq)
         if seq.params.logprobs is not None:
@@ -662,48 +707,7 @@ class LLMEngine:
         req = self.requests[seq.request_id]
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
-        delta = seq.extra["detok"].add_token(token)
-        stop: StopChecker = seq.extra["stop"]
-        res = stop.check(token, delta, len(seq.output_token_ids), seq.num_tokens)
-        self._emit(seq, res.emit)
-        if res.finished and res.reason == "length":
-            self._emit(seq, seq.extra["detok"].flush())  # bytes held back for a character never completed
+        res = self.output_processor.on_token(seq, token)
         if res.finished:
             seq.finish(_FINISH[res.reason], now, res.stop_reason)
             self.scheduler.finish(seq)
-
-    @staticmethod
-    def _emit(seq: Sequence, text: str) -> None:
-        """Text streamed so far (`text`) and not yet reported (`delta`); the stop checker holds
-        back anything a stop string could still remove, so streamed text is never taken back."""
-        seq.extra["text"] = seq.extra.get("text", "") + text
-        seq.extra["delta"] = seq.extra.get("delta", "") + text
-
-    def _collect(self, touched: set[str]) -> list[RequestOutput]:
-        outputs = []
-        for rid in sorted(touched, key=lambda r: self.requests[r].seqs[0].seq_id):
-            req = self.requests[rid]
-            outputs.append(self._output(req))
-            if req.finished:
-                del self.requests[rid]
-        return outputs
-
-    def _output(self, req: _Request) -> RequestOutput:
-        comps = []
-        for s in req.seqs:
-            shown = req.emitted.get(s.index, 0)
-            req.emitted[s.index] = len(s.output_token_ids)
-            want_lp = s.params.logprobs is not None
-            comps.append(CompletionOutput(
-                index=s.index, text=s.extra["text"], token_ids=list(s.output_token_ids),
-                finish_reason=s.status.value if s.finished else None, stop_reason=s.stop_reason,
-                logprobs=list(s.logprobs) if want_lp else None,
-                top_logprobs=list(s.top_logprobs) if want_lp else None,
-                delta_text=s.extra.pop("delta", ""), delta_token_ids=list(s.output_token_ids[shown:])))
-        m = req.metrics
-        lead = req.seqs[0]
-        m.token_times = list(lead.token_times)
-        m.first_scheduled_time = lead.first_scheduled_time
-        if req.finished:
-            m.finished_time = max((s.finished_time or 0.0) for s in req.seqs)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps, req.finished, m, req.error)

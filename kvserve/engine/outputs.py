@@ -32,6 +32,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None
+    error_status: int = 400  # with `error`: 400, the request is bad; 500, the engine failed on it
 
     @property
     def text(self) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import copy
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -135,6 +137,78 @@ class StopResult:
     emit: str  # text safe to stream now
 
 
+class StopMatcher:
+    """The stop strings of one request as an Aho-Corasick automaton, built once and shared by
+    its n sequences (each keeps only its state: an int).
+
+    A state is the longest suffix of the text so far that is a prefix of some stop string, so
+    feeding text costs O(new characters) amortized (a fall back along failure links never
+    exceeds the depth gained), however many stop strings there are."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = list(stops)
+        self._goto: list[dict[str, int]] = [{}]
+        self._depth = [0]
+        self._add_all()
+        self._fail = [0] * len(self._goto)
+        # Per state: the longest stop string ending here (None if none), and how much text to
+        # hold back (the longest suffix that is a *proper* prefix of a stop: a state with no
+        # children is a whole stop string only, so it holds what its failure state holds).
+        self._match: list[str | None] = [None] * len(self._goto)
+        self._hold = [0] * len(self._goto)
+        self._link()
+
+    def _add_all(self) -> None:
+        ends: dict[int, str] = {}
+        for stop in self.stops:
+            node = 0
+            for ch in stop:
+                nxt = self._goto[node].get(ch)
+                if nxt is None:
+                    nxt = len(self._goto)
+                    self._goto[node][ch] = nxt
+                    self._goto.append({})
+                    self._depth.append(self._depth[node] + 1)
+                node = nxt
+            ends[node] = stop
+        self._ends = ends
+
+    def _link(self) -> None:
+        queue = collections.deque([0])
+        while queue:  # breadth first: a node's failure state is shallower, so already linked
+            node = queue.popleft()
+            if node:
+                fail = self._fail[node]
+                self._match[node] = self._ends.get(node) or self._match[fail]
+                self._hold[node] = self._depth[node] if self._goto[node] else self._hold[fail]
+            for ch, child in self._goto[node].items():
+                self._fail[child] = self._next(self._fail[node], ch) if node else 0
+                queue.append(child)
+
+    def _next(self, state: int, ch: str) -> int:
+        while True:
+            nxt = self._goto[state].get(ch)
+            if nxt is not None:
+                return nxt
+            if state == 0:
+                return 0
+            state = self._fail[state]
+
+    def feed(self, state: int, text: str, report: bool) -> tuple[int, int, str | None]:
+        """Advance over `text`: (new state, index in `text` just past the first stop string that
+        ends in it, that stop string), or (state, -1, None). The longest wins among stops ending
+        at the same place. With `report` False matches are passed over (min_tokens not reached)."""
+        for i, ch in enumerate(text):
+            state = self._next(state, ch)
+            if report and self._match[state] is not None:
+                return state, i + 1, self._match[state]
+        return state, -1, None
+
+    def held(self, state: int) -> int:
+        """Characters at the end of the text that may still begin a stop string."""
+        return self._hold[state]
+
+
 class StopChecker:
     """Decides when a sequence is finished and which text may be streamed.
 
@@ -147,11 +221,28 @@ class StopChecker:
         self.params = params
         self.eos_token_ids = frozenset(eos_token_ids)
         self.stop_token_ids = frozenset(params.stop_token_ids or ())
-        self.stop_strings: list[str] = list(params.stop or ())
+        self.matcher = StopMatcher(params.stop or ())
         self.max_model_len = max_model_len
+        self._reset()
+
+    def _reset(self) -> None:
+        self._state = 0  # the matcher's state after all text so far
         self._emitted: list[str] = []
         self._pending = ""  # accepted text not streamed yet (a possible stop-string start)
         self._result: StopResult | None = None
+
+    @classmethod
+    def for_samples(cls, params: SamplingParams, eos_token_ids: Sequence[int], max_model_len: int,
+                    n: int) -> list[StopChecker]:
+        """Checkers for a request's n samples: the stop strings and token sets are built once
+        and shared, each sample keeping only its own progress."""
+        first = cls(params, eos_token_ids, max_model_len)
+        checkers = [first]
+        for _ in range(n - 1):
+            other = copy.copy(first)
+            other._reset()
+            checkers.append(other)
+        return checkers
 
     @property
     def finished(self) -> bool:
@@ -173,48 +264,22 @@ class StopChecker:
             stop_reason = token_id if token_id in self.stop_token_ids else None
             return self._finish("stop", stop_reason, self._pending + tail)
 
-        if may_stop and self.stop_strings:
-            match = self._find_stop(self._pending, delta)
-            if match is not None:
-                stop, start = match
-                end = start + (len(stop) if p.include_stop_str_in_output else 0)
-                return self._finish("stop", stop, (self._pending + delta)[:end])
-
         text = self._pending + delta
+        # The earliest stop string ending inside `delta` (one starting earlier would have made
+        # `_pending` longer); the matcher sees each character once.
+        self._state, end, stop = self.matcher.feed(self._state, delta, report=may_stop)
+        if stop is not None:
+            end += len(self._pending)
+            keep = end if p.include_stop_str_in_output else end - len(stop)
+            return self._finish("stop", stop, text[:keep])
+
         out_of_tokens = p.max_tokens is not None and num_output_tokens >= p.max_tokens
         if out_of_tokens or total_len >= self.max_model_len:
             return self._finish("length", None, text)
 
-        keep = self._held_suffix_len(text)
+        keep = self.matcher.held(self._state)
         self._pending = text[len(text) - keep :]
         return self._stream(StopResult(False, None, None, text[: len(text) - keep]))
-
-    def _find_stop(self, pending: str, delta: str) -> tuple[str, int] | None:
-        """Earliest-ending stop string occurrence that ends inside `delta`.
-
-        Returns (stop string, start index in pending + delta). Searching pending + delta is
-        enough: any occurrence starting earlier would have made pending longer.
-        """
-        text = pending + delta
-        best: tuple[int, int, str] | None = None  # (end, start, stop)
-        for stop in self.stop_strings:
-            start = text.find(stop, max(0, len(pending) - len(stop) + 1))
-            if start == -1:
-                continue
-            cand = (start + len(stop), start, stop)
-            if best is None or cand[:2] < best[:2]:
-                best = cand
-        return None if best is None else (best[2], best[1])
-
-    def _held_suffix_len(self, text: str) -> int:
-        """Length of the longest suffix of text that is a proper prefix of a stop string."""
-        best = 0
-        for stop in self.stop_strings:
-            for k in range(min(len(stop) - 1, len(text)), best, -1):
-                if text.endswith(stop[:k]):
-                    best = k
-                    break
-        return best
 
     def expire(self) -> str:
         """Finish with "length" now (a deadline passed): the held-back text, to stream."""

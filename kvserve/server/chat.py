@@ -109,8 +109,10 @@ async def _stream(job: _Job, stream: RequestStream) -> AsyncIterator[str]:
     started: set[int] = set()
     done: set[int] = set()
     final: RequestOutput | None = None
+    num_output_tokens = 0  # the outputs carry only what is new: count as they come
     try:
         async for out in stream:
+            num_output_tokens += sum(len(c.delta_token_ids) for c in out.outputs)
             for c in out.outputs:
                 for choice in _choice_deltas(job, c, started, done):
                     yield sse(_chunk(job, [choice], include_usage))
@@ -122,7 +124,7 @@ async def _stream(job: _Job, stream: RequestStream) -> AsyncIterator[str]:
         yield DONE
         return
     if include_usage and final is not None:
-        yield sse(_chunk(job, [], include_usage, _usage(final)))
+        yield sse(_chunk(job, [], include_usage, Usage.of(len(final.prompt_token_ids), num_output_tokens)))
     yield DONE
 
 

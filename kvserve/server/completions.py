@@ -103,9 +103,10 @@ async def _stream(job: _Job, streams: list[RequestStream]) -> AsyncIterator[str]
     include_usage = job.include_usage
     offsets: dict[int, int] = {}  # choice index -> characters streamed (logprobs text_offset)
     done: set[int] = set()
-    finals: list[RequestOutput] = []
+    num_prompt_tokens = num_output_tokens = 0
     try:
         async for i, out in merge(streams):
+            num_output_tokens += sum(len(c.delta_token_ids) for c in out.outputs)
             for c in out.outputs:
                 idx = i * req.n + c.index
                 if idx in done or not (c.delta_text or c.finished or (req.logprobs is not None and c.delta_token_ids)):
@@ -117,14 +118,14 @@ async def _stream(job: _Job, streams: list[RequestStream]) -> AsyncIterator[str]
                     done.add(idx)
                 yield sse(_chunk(job, [choice], include_usage))
             if out.finished:
-                finals.append(out)
+                num_prompt_tokens += len(out.prompt_token_ids)
     except RequestError as e:
         err = from_request_error(e)
         yield sse(error_body(err.message, err.status, err.param, err.code))
         yield DONE
         return
     if include_usage:
-        yield sse(_chunk(job, [], include_usage, _usage(finals)))
+        yield sse(_chunk(job, [], include_usage, Usage.of(num_prompt_tokens, num_output_tokens)))
     yield DONE
 
 

@@ -20,7 +20,7 @@ from types import FrameType
 import uvicorn
 
 from kvserve.config import EngineConfig
-from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.engine.async_engine import DEFAULT_MAX_UNREAD_TOKENS, AsyncLLMEngine
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.server.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, build_app
 from kvserve.server.connections import DEFAULT_HEADER_TIMEOUT_S, with_header_timeout
@@ -44,6 +44,7 @@ class ServeOptions:
     max_connections: int = 1024  # uvicorn's limit_concurrency
     header_timeout: float = DEFAULT_HEADER_TIMEOUT_S
     body_timeout: float = 60.0
+    max_stream_backlog: int = DEFAULT_MAX_UNREAD_TOKENS  # tokens a stream's reader may leave unread
     allowed_hosts: list[str] | None = None
     shutdown_timeout: float = 30.0
     log_level: str = "info"
@@ -91,7 +92,8 @@ def serve(config: EngineConfig, opts: ServeOptions) -> int:
     _check_options(opts)
     engine = LLMEngine(config)
     name = opts.served_model_name or (str(config.model) if config.model is not None else DEFAULT_MODEL_NAME)
-    app = build_app(AsyncLLMEngine(engine), name, api_key=opts.api_key, max_queue=opts.max_queue,
+    async_engine = AsyncLLMEngine(engine, max_unread_tokens=opts.max_stream_backlog)
+    app = build_app(async_engine, name, api_key=opts.api_key, max_queue=opts.max_queue,
                     max_body_bytes=opts.max_body_bytes, limits=opts.limits, protect_metrics=opts.protect_metrics,
                     allowed_hosts=opts.allowed_hosts, body_timeout=opts.body_timeout)
     uv_config = uvicorn_config(app, opts)
@@ -148,6 +150,8 @@ def _check_options(opts: ServeOptions) -> None:
         raise ValueError(f"--body-timeout must be a positive number of seconds, got {opts.body_timeout}")
     if not opts.header_timeout > 0:
         raise ValueError(f"--header-timeout must be a positive number of seconds, got {opts.header_timeout}")
+    if opts.max_stream_backlog < 1:
+        raise ValueError(f"--max-stream-backlog must be >= 1, got {opts.max_stream_backlog}")
     if opts.max_connections < 1:
         raise ValueError(f"--max-connections must be >= 1, got {opts.max_connections}")
     if opts.protect_metrics and opts.api_key is None:

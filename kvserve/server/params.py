@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import RequestOutputKind, SamplingParams
 from kvserve.server.errors import APIError, from_value_error
 from kvserve.server.protocol import _SamplingRequest
 
@@ -20,8 +20,12 @@ _OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 def sampling_params(req: _SamplingRequest, max_tokens: int | None, logprobs: int | None,
                     rename: dict[str, str] | None = None) -> SamplingParams:
     """Build and validate; a ValueError becomes a 400 whose `param` is the request's field name
-    (`rename` maps SamplingParams names to the request's, e.g. logprobs -> top_logprobs)."""
-    kwargs = dict(
+    (`rename` maps SamplingParams names to the request's, e.g. logprobs -> top_logprobs).
+
+    A stream asks the engine for what is new each step, a plain response for the final output
+    alone: neither copies the whole text, tokens and logprobs every step."""
+    kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
+    kwargs = dict(output_kind=kind,
         n=req.n, max_tokens=max_tokens, stop=req.stop, seed=req.seed, logprobs=logprobs,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, stop_token_ids=req.stop_token_ids,

@@ -34,16 +34,19 @@ def sse(payload: BaseModel | dict) -> str:
 
 async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Outputs of several requests (a batch of prompts) as they come, tagged by position.
-    However it ends, every stream is closed (an unfinished request is aborted)."""
-    queue: asyncio.Queue = asyncio.Queue()
+    However it ends, every stream is closed (an unfinished request is aborted).
+
+    The hand-over queue is bounded: while the consumer (the client's socket) is stuck, a
+    stream's outputs wait merged in its own mailbox, whose backlog limit then applies."""
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
 
     async def pump(i: int, stream: RequestStream) -> None:
         try:
             async for out in stream:
-                queue.put_nowait((i, out))
+                await queue.put((i, out))
         except Exception as e:  # forwarded: the consumer decides
-            queue.put_nowait((i, e))
-        queue.put_nowait((i, _END))
+            await queue.put((i, e))
+        await queue.put((i, _END))
 
     tasks: list[asyncio.Task] = []
     try:

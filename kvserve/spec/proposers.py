@@ -97,7 +97,7 @@ class ModelDrafter:
             return tokens.tolist(), None
         idx = torch.tensor(random_rows, device=logits.device)
         q = processed_probs(logits[idx], [seqs[j].params for j in random_rows])
-        tokens[idx] = sample_probs(q, [seqs[j].extra.get("generator") for j in random_rows])
+        tokens[idx] = sample_probs(q, [seqs[j].generator for j in random_rows])
         rows: list[torch.Tensor | None] = [None] * len(seqs)
         for n, j in enumerate(random_rows):
             rows[j] = q[n]
