@@ -5,7 +5,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import time
 from datetime import date
 from pathlib import Path
@@ -14,9 +13,14 @@ from typing import Callable
 import torch
 
 from kvserve.bench.latency import read_bandwidth_gbs  # noqa: F401  (re-exported for the scripts)
+from kvserve.paths import WIKITEXT2_TEST, wikitext2_file
 
 ROOT = Path(__file__).resolve().parents[1]
-WIKITEXT = ROOT.parent / "shared" / "data" / "wikitext2"
+
+
+def wikitext2_test() -> Path:
+    """WikiText-2's raw test split under $KVSERVE_DATA (a clear error when it is not set)."""
+    return wikitext2_file(WIKITEXT2_TEST)
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -49,11 +53,3 @@ def save_json(name: str, data: dict, out_dir: str | None) -> None:
     data = {"date": date.today().isoformat(), "machine": machine(), **data}
     path.write_text(json.dumps(data, indent=1))
     print(f"wrote {path}")
-
-
-def kernel_source_at(rev: str, name: str) -> str:
-    """kvserve/kernels/<name> as it was at git revision `rev` (for side-by-side kernel benchmarks)."""
-    proc = subprocess.run(["git", "show", f"{rev}:kvserve/kernels/{name}"], cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"--before-rev {rev}: no kvserve/kernels/{name} there ({proc.stderr.strip()[:200]})")
-    return proc.stdout

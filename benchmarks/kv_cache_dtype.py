@@ -19,7 +19,7 @@ import statistics
 
 import torch
 
-from _common import WIKITEXT, machine, save_json
+from _common import machine, save_json, wikitext2_test
 
 DTYPES = ("auto", "int8", "fp8")
 
@@ -42,7 +42,7 @@ def window_logits(loaded, ids: list[int], kv_dtype: str) -> torch.Tensor:
 def accuracy(loaded, windows: int) -> dict:
     from kvserve.eval.stream import load_token_stream
 
-    stream = load_token_stream(loaded.tokenizer, WIKITEXT / "wiki.test.raw", 1024 * windows, None).tolist()
+    stream = load_token_stream(loaded.tokenizer, wikitext2_test(), 1024 * windows, None).tolist()
     bos = loaded.config.bos_token_id
     res = {d: {"nll": [], "kl": [], "agree": []} for d in DTYPES}
     for w in range(windows):

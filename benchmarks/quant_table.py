@@ -1,5 +1,5 @@
 """The quantization table of Gemma 3 270M: quality, bytes, batch-1 decode speed and greedy agreement
-of every method side by side (issue 6).
+of every method side by side.
 
 Configurations (`--configs`, comma separated):
   fp32                        the bundled GGUF dequantized: the baseline (required)

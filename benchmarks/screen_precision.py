@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from _common import WIKITEXT, save_json
+from _common import wikitext2_test, save_json
 
 from kvserve import LLM, SamplingParams
 from kvserve.bench.throughput import make_workload
@@ -46,7 +46,7 @@ def capture_hidden(loaded) -> torch.Tensor:
         llm = LLM(loaded=loaded, max_num_seqs=16, enable_prefix_caching=False)
         wl = make_workload(16, (32, 512), (16, 64), cfg.vocab_size, cfg.bos_token_id, 1)
         llm.generate(wl.prompts, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in wl.output_lens])
-        text = (WIKITEXT / "wiki.test.raw").read_text(encoding="utf-8")[:15000]
+        text = (wikitext2_test()).read_text(encoding="utf-8")[:15000]
         llm.generate([text[i:i + 1500] for i in range(0, 15000, 1500)],
                      SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     finally:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from _common import WIKITEXT, machine, save_json
+from _common import machine, save_json, wikitext2_test
 
 GIB = 2**30
 BUDGET = 2048  # max_num_batched_tokens (EngineConfig default): the prefill chunk
@@ -135,7 +135,7 @@ def part3(tokens: int, decode: int) -> dict:
     from kvserve.loading import load_model
 
     loaded = load_model()
-    text = (WIKITEXT / "wiki.test.raw").read_text(encoding="utf-8")
+    text = (wikitext2_test()).read_text(encoding="utf-8")
     ids = loaded.tokenizer.encode(text[:tokens * 6])[:tokens]
     assert len(ids) == tokens, len(ids)
     params = SamplingParams(temperature=0, max_tokens=decode, ignore_eos=True)

@@ -8,7 +8,7 @@ and the process RSS; it prints them at a few positions and the peak, and compare
 same sequence would hold without streaming (every page of every layer). Optionally a plot of
 pages held over the stream position.
 
-    python benchmarks/streaming_engine.py [--prompt-tokens 33000] [--gen 64] [--plot docs/streaming_engine_memory.png]
+    python benchmarks/streaming_engine.py [--prompt-tokens 33000] [--gen 64] [--plot docs/images/streaming_engine_memory.png]
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import argparse
 import resource
 import time
 
-from _common import WIKITEXT, machine, save_json
+from _common import machine, save_json, wikitext2_test
 
 
 def rss_mib() -> float:
@@ -45,7 +45,7 @@ def main() -> None:
 
     loaded = load_model(None)
     mc = loaded.config
-    ids = load_token_stream(loaded.tokenizer, WIKITEXT / "wiki.test.raw", args.prompt_tokens,
+    ids = load_token_stream(loaded.tokenizer, wikitext2_test(), args.prompt_tokens,
                             mc.bos_token_id).tolist()
     llm = LLM(loaded=loaded, attention_sinks=args.sinks, streaming_window=args.window, kv_cache_gib=0.25,
               max_num_batched_tokens=args.chunk, enable_prefix_caching=False)

@@ -1,10 +1,13 @@
-"""Command line: `kvserve generate "prompt"` (more subcommands arrive with their features)."""
+"""Command line: `kvserve generate | serve | bench | eval | roofline | quantize | prune | distill |
+convert`. Each command imports what it needs when it runs, so `kvserve --help` stays quick."""
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
 import time
+
+from kvserve.argtypes import positive_int
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -223,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--rounds", type=positive_int, default=2, help="interleaved rounds; medians are reported")
     sp.add_argument("--speculative-model", default=None, help="draft model for --proposers draft")
     sp.add_argument("--kv-cache-gib", type=float, default=0.5, help="KV pool per engine (one per configuration)")
-    sp.add_argument("--dataset-path", default=None, help="text file (default: shared/data/wikitext2/wiki.test.raw)")
+    sp.add_argument("--dataset-path", default=None, help="text file (default: $KVSERVE_DATA/wikitext2/wiki.test.raw)")
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--json", default=None)
     sp.add_argument("--plot", default=None, help="PNG of speedup vs k per proposer and batch size")
@@ -254,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-concurrency", type=positive_int, default=None, help="at most this many requests in flight")
     sv.add_argument("--num-prompts", type=positive_int, default=64, help="requests per rate")
     sv.add_argument("--dataset", choices=["random", "wikitext2"], default="random")
-    sv.add_argument("--dataset-path", default=None, help="wikitext2 text file (default: shared/data/wikitext2)")
+    sv.add_argument("--dataset-path", default=None, help="wikitext2 text file (default: $KVSERVE_DATA/wikitext2/wiki.test.raw)")
     sv.add_argument("--input-len", type=positive_int, default=256, help="prompt length in words")
     sv.add_argument("--output-len", type=positive_int, default=64, help="max_tokens per request (ignore_eos)")
     sv.add_argument("--seed", type=int, default=0)
@@ -271,16 +274,6 @@ def build_parser() -> argparse.ArgumentParser:
     ho.add_argument("--seed", type=int, default=0)
     ho.add_argument("--json", default=None)
     return parser
-
-
-def positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
 
 
 def _int_list(text: str) -> list[int]:
@@ -435,8 +428,18 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # bad input (ModelLoadError is a ValueError): a message, no traceback
         print(f"kvserve: error: {e}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as e:  # an optional extra not installed
+        extra = _EXTRAS.get((e.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(f"kvserve: error: this command needs {e.name}: pip install 'kvserve[{extra}]'", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
+
+
+# Packages of optional extras (pyproject.toml) -> the extra that brings them.
+_EXTRAS = {"httpx": "bench", "matplotlib": "bench", "transformers": "convert"}
 
 
 if __name__ == "__main__":

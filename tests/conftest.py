@@ -11,28 +11,12 @@ torch.manual_seed(0)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the oracle never reaches a hub
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-def _find_wikitext() -> Path:
-    """shared/data/wikitext2 beside the checkout (as CI lays it), or beside the repository this
-    one was cloned from (a scratch clone elsewhere), or $KVSERVE_WIKITEXT."""
-    import subprocess
-
-    if os.environ.get("KVSERVE_WIKITEXT"):
-        return Path(os.environ["KVSERVE_WIKITEXT"])
-    root = Path(__file__).resolve().parents[1]
-    candidates = [root.parent / "shared" / "data" / "wikitext2"]
-    origin = subprocess.run(["git", "-C", str(root), "config", "--get", "remote.origin.url"],
-                            capture_output=True, text=True).stdout.strip()
-    if origin and Path(origin).is_dir():
-        candidates.append(Path(origin).resolve().parent / "shared" / "data" / "wikitext2")
-    for c in candidates:
-        if (c / "wiki.test.raw").is_file():
-            return c
-    raise FileNotFoundError(f"WikiText-2 not found in {[str(c) for c in candidates]}; set KVSERVE_WIKITEXT")
-
-
-WIKITEXT = _find_wikitext()
-# The CLI's default data path (beside the checkout) is missing in a scratch clone: point it here.
-os.environ.setdefault("KVSERVE_WIKITEXT", str(WIKITEXT))
+# The test data: $KVSERVE_DATA (`make test` sets it), else shared/data beside the checkout, as CI
+# lays it out. The product itself only ever reads the setting.
+os.environ.setdefault("KVSERVE_DATA", str(Path(__file__).resolve().parents[2] / "shared" / "data"))
+WIKITEXT = Path(os.environ["KVSERVE_DATA"]) / "wikitext2"
+if not (WIKITEXT / "wiki.test.raw").is_file():
+    raise FileNotFoundError(f"WikiText-2 not found at {WIKITEXT}; set KVSERVE_DATA to the folder holding wikitext2/")
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ def tiny_folder(tmp_path_factory):
     return folder
 
 
-def _edited_copy(tmp_path, tiny_folder, edit) -> "Path":
+def _edited_copy(tmp_path, tiny_folder, edit):
     """A copy of the tiny model whose config.json went through `edit(dict)`."""
     folder = tmp_path / "m"
     shutil.copytree(tiny_folder, folder)

@@ -47,3 +47,11 @@ def test_console_script_entry_point():
     exe = shutil.which("kvserve") or str(__import__("pathlib").Path(sys.executable).with_name("kvserve"))
     r = subprocess.run([exe, "generate", "hi", "--min-p", "2"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "min_p" in r.stderr
+
+
+def test_a_missing_optional_extra_names_it(monkeypatch, capsys):
+    """httpx comes with kvserve[bench]: without it `kvserve bench serve` says what to install."""
+    monkeypatch.setitem(sys.modules, "httpx", None)  # importing it now raises ModuleNotFoundError
+    monkeypatch.delitem(sys.modules, "kvserve.bench.serve", raising=False)
+    assert main(["bench", "serve", "--url", "http://127.0.0.1:9", "--num-prompts", "1"]) == 2
+    assert "pip install 'kvserve[bench]'" in capsys.readouterr().err

@@ -1,18 +1,16 @@
-"""benchmarks/cuda_check.py, the GPU check: its verdicts, its reference files, and its CPU dry run
+"""kvserve/bench/cuda_check.py, the GPU check: its verdicts, its reference files, and its CPU dry run
 of both models' paths (the GPU run itself needs a lent machine)."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from kvserve.bench import cuda_check as cuda_check_module
 from tests.tiny_models import make_model
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY_LLAMA = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                   rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=0, eos_token_id=1, rms_norm_eps=1e-5)
@@ -23,12 +21,7 @@ SMALL_RUN = ["--device", "cpu", "--prompts", "3", "--prompt-tokens", "12", "--ma
 
 @pytest.fixture(scope="module")
 def cuda_check():
-    spec = importlib.util.spec_from_file_location("cuda_check", ROOT / "benchmarks" / "cuda_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["cuda_check"] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("cuda_check", None)
+    return cuda_check_module
 
 
 @pytest.fixture(scope="module")

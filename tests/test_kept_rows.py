@@ -1,11 +1,11 @@
 """The last layer computes past its K/V write only for the rows whose logits are needed
-(`KeptRows`, `ModelRunner.keep_logit_rows`).
+(`KeptRows`, `ModelRunner._kept_rows`).
 
-Oracle: the same steps with every row carried through the last layer (the flag off) on a second,
-identical pool: the same logits, bitwise the same K/V pools, and the last layer's MLP sees just
-the logit rows. Mixed steps cover prefill chunks with and without logits, several logit rows of
-one sequence (speculative verification), decode rows, sliding windows and a chunk that needs no
-logits at all."""
+Oracle: the same steps with every row carried through the last layer (`_kept_rows` patched to
+return None, the path of a layer class without KeptRows) on a second, identical pool: the same
+logits, bitwise the same K/V pools, and the last layer's MLP sees just the logit rows. Mixed
+steps cover prefill chunks with and without logits, several logit rows of one sequence
+(speculative verification), decode rows, sliding windows and a chunk that needs no logits at all."""
 from __future__ import annotations
 
 import pytest
@@ -30,7 +30,8 @@ def _runner(loaded, keep: bool) -> ModelRunner:
     cfg = loaded.config
     kv = KVCache(cfg.num_layers, 64 * BS, cfg.num_kv_heads, cfg.head_dim, torch.float32)
     runner = ModelRunner(loaded.model, kv, BS)
-    runner.keep_logit_rows = keep
+    if not keep:  # every row through the last layer, the logit rows picked after the final norm
+        runner._kept_rows = lambda *a, **k: None
     return runner
 
 

@@ -3,18 +3,16 @@ Playwright, against a live server: the model name from /v1/models, a message typ
 with Enter, the reply rendered while it streams and equal to the API's own answer, the timing
 line with the usage chunk's token count, the /stats panel, an API key asked for on 401,
 server errors shown readably, Stop aborting the request (its KV blocks come back), and no
-console errors. The Gemma run saves a screenshot: docs/playground.png when
+console errors. The Gemma run saves a screenshot: docs/images/playground.png when
 KVSERVE_UPDATE_SCREENSHOT=1 (so `make test` leaves the tree clean), else a temporary file.
 
-The browser is Debian's /usr/bin/chromium (never `playwright install`, which downloads one):
-installed with apt-get when missing and running as root, else the tests skip saying how.
+The browser is Debian's /usr/bin/chromium (never `playwright install`, which downloads one),
+installed by `make system-deps` (a step of `make test`); without it these tests fail saying so.
 """
 from __future__ import annotations
 
 import os
 import re
-import shutil
-import subprocess
 import time
 from pathlib import Path
 
@@ -31,36 +29,15 @@ expect = sync_api.expect
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-DOCS_SCREENSHOT = Path(__file__).resolve().parents[1] / "docs" / "playground.png"
+DOCS_SCREENSHOT = Path(__file__).resolve().parents[1] / "docs" / "images" / "playground.png"
 TIMING = re.compile(r"TTFT (\d+) ms · (\d+) tokens? · (\d+\.\d) tok/s")
 GEN_TIMEOUT_MS = 60_000  # one short generation on a busy 2-core CPU
 
 
-def _install_chromium() -> str | None:
-    """None when /usr/bin/chromium is there (installing it if we can), else why it is not."""
-    if CHROMIUM.exists():
-        return None
-    how = "install Debian's browser: `sudo apt-get install -y chromium`"
-    if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        return f"{CHROMIUM} not found; {how}"
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "-q", "chromium"]  # recommends bring the fonts
-    # A fresh machine may have no package lists yet: update once if the first try fails.
-    for cmd in (install, ["apt-get", "update", "-q"], install):
-        try:
-            subprocess.run(cmd, env=env, capture_output=True, timeout=300, check=False)
-        except subprocess.TimeoutExpired:
-            return f"`{' '.join(cmd)}` timed out; {how}"
-        if CHROMIUM.exists():
-            return None
-    return f"`apt-get install chromium` failed; {how}"
-
-
 @pytest.fixture(scope="module")
 def browser():
-    missing = _install_chromium()
-    if missing:
-        pytest.skip(missing)
+    if not CHROMIUM.exists():
+        pytest.fail(f"{CHROMIUM} not found: `make system-deps` installs it (Debian's chromium package)")
     with sync_api.sync_playwright() as pw:
         b = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
         yield b

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from tiny_models import make_model
 
-from kvserve.eval.ppl import window_hidden
+from kvserve.eval.windows import window_hidden
 from kvserve.loading import load_model
 from kvserve.loading.save import save_model
 from kvserve.prune import prune_model

@@ -1,28 +1,16 @@
-"""benchmarks/throughput_floor.py: the workload's unavoidable work, counted by hand on a toy model."""
+"""kvserve/analysis/floor.py: the workload's unavoidable work, counted by hand on a toy model."""
 from __future__ import annotations
-
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
+from kvserve.analysis import floor as floor_module
 from kvserve.bench.throughput import Workload
 from kvserve.model.config import FULL, SLIDING, ModelConfig, RopeConfig
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
 def floor():
-    sys.path.insert(0, str(BENCH))  # the script imports its sibling _common
-    spec = importlib.util.spec_from_file_location("throughput_floor", BENCH / "throughput_floor.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["throughput_floor"] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("throughput_floor", None)
-    sys.path.remove(str(BENCH))
+    return floor_module
 
 
 def toy(**kw) -> ModelConfig:

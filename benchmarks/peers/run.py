@@ -38,7 +38,7 @@ from _common import LLAMACPP_KV_MODES, RESULT_PREFIX
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 KVSERVE_WEIGHTS = ["int8", "int4"]  # kvserve-<w>: the kvserve engine with RTN-quantized weights (EngineConfig.weights)
-# kvserve-compile: fp32 through torch.compile (EngineConfig.compile), the optional item of issue 9.
+# kvserve-compile: fp32 through torch.compile (EngineConfig.compile).
 KVSERVE_ENGINES = ["kvserve", *(f"kvserve-{w}" for w in KVSERVE_WEIGHTS), "kvserve-compile"]  # one adapter, a spec section each
 ALL_ENGINES = [*KVSERVE_ENGINES, "hf", "llamacpp", "vllm"]
 # Batch-1 decode tok/s: (engine, peer, minimum engine / peer), the low-bit engines' targets.

@@ -10,7 +10,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from kvserve.analysis import roofline as rl
-from kvserve.cli import positive_int
+from kvserve.argtypes import positive_int
 
 PLOTS = ("roofline_latency_throughput.png", "roofline_memory_vs_batch.png", "roofline_kv_variants.png")
 

@@ -17,9 +17,7 @@ import asyncio
 import json
 import logging
 import math
-import os
 import random
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -28,6 +26,8 @@ from pathlib import Path
 from typing import Sequence
 
 import httpx
+
+from kvserve.paths import WIKITEXT2_TEST, wikitext2_file
 
 SLO_KEYS = ("ttft", "tpot", "e2e")
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -88,29 +88,13 @@ def wikitext_requests(path: Path, n: int, input_len: int, output_len: int, seed:
 
 
 def default_wikitext_path() -> Path:
-    """shared/data/wikitext2/wiki.test.raw beside the checkout (or beside the repository this one
-    was cloned from), or $KVSERVE_WIKITEXT: the same places tests/conftest.py looks."""
-    if os.environ.get("KVSERVE_WIKITEXT"):
-        return _wikitext_file(Path(os.environ["KVSERVE_WIKITEXT"]))
-    root = Path(__file__).resolve().parents[2]
-    candidates = [root.parent / "shared" / "data" / "wikitext2"]
-    try:
-        origin = subprocess.run(["git", "-C", str(root), "config", "--get", "remote.origin.url"],
-                                capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        origin = ""
-    if origin and Path(origin).is_dir():
-        candidates.append(Path(origin).resolve().parent / "shared" / "data" / "wikitext2")
-    for c in candidates:
-        if (c / "wiki.test.raw").is_file():
-            return c / "wiki.test.raw"
-    raise ValueError(f"--dataset wikitext2: wiki.test.raw not found in {[str(c) for c in candidates]}; "
-                     "pass --dataset-path FILE or set KVSERVE_WIKITEXT")
+    """WikiText-2's raw test split under $KVSERVE_DATA (kvserve/paths.py)."""
+    return wikitext2_file(WIKITEXT2_TEST, "--dataset-path")
 
 
 def _wikitext_file(path: Path) -> Path:
-    """Accept the folder as well as the file (KVSERVE_WIKITEXT names the folder in the tests)."""
-    f = path / "wiki.test.raw" if path.is_dir() else path
+    """Accept the WikiText-2 folder as well as the file."""
+    f = path / WIKITEXT2_TEST if path.is_dir() else path
     if not f.is_file():
         raise ValueError(f"--dataset-path: {f} is not a file")
     return f

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 
 from kvserve.loading.loader import LoadedModel, build_model
 

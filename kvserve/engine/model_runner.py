@@ -10,6 +10,7 @@ import torch
 from kvserve.engine.cuda_graphs import DecodeGraphs
 from kvserve.model.attention import AttentionMetadata, DecodeBatch, KeptRows, KVCache, SeqAttention
 from kvserve.model.base import CausalLM
+from kvserve.model.decode_plan import run_decode_plan
 from kvserve.model.streaming import PagedStreamingAttention, StreamPolicy
 
 
@@ -47,9 +48,6 @@ class ModelRunner:
         self._block_offsets = torch.arange(block_size, device=self.device)
         self.stream_policies = stream_policies
         self._rotary = [model.rotary[t] for t in model.config.layer_types]
-        # The last layer past its K/V write for the logit rows only (KeptRows); off: every row,
-        # the rows picked after the final norm (the same numbers; kept for tests and A/B runs).
-        self.keep_logit_rows = True
         self.compiled = model.compile_step() if compile else None
         self.graphs: DecodeGraphs | None = None  # CUDA: captured decode steps (set by the engine)
 
@@ -173,11 +171,17 @@ class ModelRunner:
         input_ids, positions, meta, logit_rows = self.prepare(inputs)
         if self.stream_policies is not None:  # StreamingLLM owns pool writes and rotation
             meta.custom = PagedStreamingAttention(self.kv_cache, meta, positions, self.stream_policies, self._rotary)
-        keep = self._kept_rows(inputs, meta, logit_rows, input_ids.shape[0]) if self.keep_logit_rows else None
+        # The last layer past its K/V write for the logit rows only (KeptRows); None: every row,
+        # the rows picked after the final norm.
+        keep = self._kept_rows(inputs, meta, logit_rows, input_ids.shape[0])
         if self.compiled is not None and num_layers is None and meta.custom is None:
             hidden = self.model.run_compiled(self.compiled, input_ids, positions, self.kv_cache, meta, keep)
-        else:
-            hidden = self.model(input_ids, positions, self.kv_cache, meta, num_layers=num_layers, keep=keep)
+            return hidden if keep is not None else hidden.index_select(0, logit_rows)
+        if num_layers is None and keep is None:  # a batch-1 decode step: every layer in one C call
+            hidden = run_decode_plan(self.model, input_ids, positions, self.kv_cache, meta)
+            if hidden is not None:
+                return hidden.index_select(0, logit_rows)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta, num_layers=num_layers, keep=keep)
         return hidden if keep is not None else hidden.index_select(0, logit_rows)
 
     def _kept_rows(self, inputs: Seq[StepInput], meta: AttentionMetadata, logit_rows: torch.Tensor,

@@ -26,8 +26,7 @@ def add_eval_parser(sub) -> None:
                     help="tokens per forward pass (exactly token-by-token streaming; the cache holds at "
                          "most S + W + chunk tokens per layer)")
     st.add_argument("--data", default=None,
-                    help="WikiText-2 raw test file (default: ../shared/data/wikitext2/wiki.test.raw beside "
-                         "the checkout, or $KVSERVE_WIKITEXT)")
+                    help="WikiText-2 raw test file (default: $KVSERVE_DATA/wikitext2/wiki.test.raw)")
     st.add_argument("--json", default=None, help="write the results here")
     st.add_argument("--plot", default=None, help="PNG of NLL over position (moving average) and cache size")
     _add_ppl_parser(ev.add_parser("ppl", help="perplexity over non-overlapping windows (WikiText-2 by default) "

@@ -1,6 +1,6 @@
 """`kvserve eval ppl`: perplexity over non-overlapping windows, and KL divergence to a reference.
 
-Protocol (docs/REFERENCE.md, "Evaluation protocol"): the text (default WikiText-2 raw test) is
+Protocol: the text (default WikiText-2 raw test) is
 tokenized once without special tokens; it is cut into non-overlapping windows of `seqlen` tokens;
 each window is one independent forward pass (no KV cache, no context carried over) and every
 position predicts the next token of its window; PPL = exp(mean NLL) over all scored tokens.
@@ -32,17 +32,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from kvserve.eval.stream import default_data_path
+from kvserve.eval.windows import make_windows, tokenize_file, window_hidden
 from kvserve.loading import load_model
-from kvserve.model.attention import AttentionMetadata
 from kvserve.model.base import CausalLM
-from kvserve.model.layers import apply_rope
 
 DATASETS = ("wikitext2",)
-_NO_SLOTS = torch.empty(0, dtype=torch.long)
 
 
 @dataclass(frozen=True)
@@ -72,92 +69,10 @@ class PplConfig:
 # --- data --------------------------------------------------------------------------------------
 
 def dataset_path(dataset: str = "wikitext2") -> Path:
-    """The default file of a dataset: WikiText-2 raw test, located like `kvserve eval stream`."""
+    """The default file of a dataset: WikiText-2's raw test split under $KVSERVE_DATA."""
     if dataset not in DATASETS:
         raise ValueError(f"--dataset must be one of {', '.join(DATASETS)}, got {dataset!r}")
-    return default_data_path()
-
-
-def tokenize_file(tokenizer, path: Path) -> torch.Tensor:
-    """The whole file tokenized once, no special tokens -> [N] int64."""
-    if not path.is_file():
-        raise ValueError(f"--text-file: {path} not found")
-    ids = tokenizer.encode(path.read_text(encoding="utf-8"), add_special_tokens=False)
-    return torch.tensor(ids, dtype=torch.long)
-
-
-def make_windows(token_ids: torch.Tensor, seqlen: int, bos_token_id: int | None = None,
-                 max_windows: int | None = None) -> torch.Tensor:
-    """token_ids [N] (text only) -> windows [W, seqlen] int64, non-overlapping, the tail dropped.
-
-    With bos_token_id each window is BOS + seqlen - 1 text tokens; without, seqlen text tokens.
-    """
-    if seqlen < 2:
-        raise ValueError(f"--seqlen must be >= 2, got {seqlen}")
-    step = seqlen - 1 if bos_token_id is not None else seqlen
-    n = int(token_ids.shape[0]) // step
-    if max_windows is not None:
-        n = min(n, max_windows)
-    if n == 0:
-        raise ValueError(f"--seqlen {seqlen} needs at least {step} text tokens, the text has {token_ids.shape[0]}")
-    text = token_ids[: n * step].reshape(n, step)
-    if bos_token_id is None:
-        return text.clone()
-    return torch.cat([torch.full((n, 1), bos_token_id, dtype=text.dtype), text], dim=1)
-
-
-# --- batched window forward --------------------------------------------------------------------
-
-class WindowAttention:
-    """`AttentionMetadata.custom` for B independent windows of L tokens laid out as one flat
-    batch [B * L]: RoPE at positions 0..L-1 within each window, causal attention inside each
-    window (and the layer's sliding window, if any), one SDPA call over [B, heads, L, D]."""
-
-    def __init__(self, model: CausalLM, num_windows: int, seqlen: int):
-        self.model = model
-        self.b, self.l = num_windows, seqlen
-        self._rope: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._masks: dict[int, torch.Tensor] = {}
-
-    def _cos_sin(self, layer_type: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (layer_type, dtype)
-        if key not in self._rope:
-            pos = torch.arange(self.l).repeat(self.b)
-            self._rope[key] = self.model.rotary[layer_type].cos_sin(pos, dtype)  # [B*L, D] each
-        return self._rope[key]
-
-    def _mask(self, window: int) -> torch.Tensor:
-        """[L, L] bool: key j visible from query i iff i - window < j <= i."""
-        if window not in self._masks:
-            i = torch.arange(self.l)[:, None]
-            j = torch.arange(self.l)[None, :]
-            self._masks[window] = (j <= i) & (j > i - window)
-        return self._masks[window]
-
-    def __call__(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """layer: the calling Attention; q [B*L, H, D], k, v [B*L, KVH, D] pre-RoPE -> [B*L, H, D]."""
-        cos, sin = self._cos_sin(self.model.config.layer_types[layer.layer], q.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        b, l = self.b, self.l
-        qb = q.view(b, l, *q.shape[1:]).transpose(1, 2)  # [B, H, L, D]
-        kb = k.view(b, l, *k.shape[1:]).transpose(1, 2)  # [B, KVH, L, D]
-        vb = v.view(b, l, *v.shape[1:]).transpose(1, 2)
-        gqa = q.shape[1] != k.shape[1]
-        if layer.window is None or layer.window >= l:
-            o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=layer.scale, enable_gqa=gqa)
-        else:
-            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=self._mask(layer.window), scale=layer.scale,
-                                               enable_gqa=gqa)
-        return o.transpose(1, 2).reshape(b * l, *q.shape[1:])
-
-
-def window_hidden(model: CausalLM, windows: torch.Tensor) -> torch.Tensor:
-    """windows [B, L] -> final hidden states [B, L, hidden] (one forward pass, no KV cache)."""
-    b, l = windows.shape
-    attention = WindowAttention(model, b, l)
-    meta = AttentionMetadata(slot_mapping=_NO_SLOTS, seqs=[], custom=attention)
-    hidden = model(windows.reshape(-1), torch.arange(l).repeat(b), None, meta)
-    return hidden.view(b, l, -1)
+    return default_data_path("--text-file")
 
 
 # --- scoring -----------------------------------------------------------------------------------
@@ -275,7 +190,7 @@ def main(args: argparse.Namespace) -> int:
     path = Path(args.text_file).expanduser() if args.text_file else dataset_path(cfg.dataset)
     if not path.is_file():  # before the (slow) model load
         flag = "--text-file" if args.text_file else f"--dataset {cfg.dataset}"
-        raise ValueError(f"{flag}: {path} not found (pass --text-file PATH or set KVSERVE_WIKITEXT)")
+        raise ValueError(f"{flag}: {path} not found (pass --text-file PATH or set KVSERVE_DATA)")
     if args.quant != "none":  # validate before loading
         try:
             QuantSpec(bits=args.bits, sym=args.sym, granularity=args.granularity, group_size=args.group_size)

@@ -25,7 +25,6 @@ import argparse
 import json
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +36,7 @@ from tqdm import tqdm
 from kvserve.loading import LoadedModel, load_model
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.streaming import CacheSize, StreamingAttention, StreamPolicy, layer_policies
+from kvserve.paths import WIKITEXT2_TEST, wikitext2_file
 
 log = logging.getLogger(__name__)
 
@@ -99,20 +99,15 @@ def method_policies(method: str, model_cfg, cfg: StreamEvalConfig) -> list[Strea
 
 # --- data --------------------------------------------------------------------------------------
 
-def default_data_path() -> Path:
-    """$KVSERVE_WIKITEXT (file or folder), else ../shared/data/wikitext2/wiki.test.raw beside the
-    checkout."""
-    env = os.environ.get("KVSERVE_WIKITEXT")
-    if env:
-        p = Path(env)
-        return p / "wiki.test.raw" if p.is_dir() else p
-    return Path(__file__).resolve().parents[2].parent / "shared" / "data" / "wikitext2" / "wiki.test.raw"
+def default_data_path(flag: str = "--data") -> Path:
+    """WikiText-2's raw test split under $KVSERVE_DATA (kvserve/paths.py)."""
+    return wikitext2_file(WIKITEXT2_TEST, flag)
 
 
 def load_token_stream(tokenizer, path: Path, num_tokens: int, bos_token_id: int | None) -> torch.Tensor:
     """The file tokenized once (BOS once at the start when given) -> its first num_tokens [N] int64."""
     if not path.is_file():
-        raise ValueError(f"--data: WikiText-2 file {path} not found (pass --data PATH)")
+        raise ValueError(f"--data: WikiText-2 file {path} not found")
     ids = tokenizer.encode(path.read_text(encoding="utf-8"), add_special_tokens=False)
     if bos_token_id is not None:
         ids = [bos_token_id] + ids

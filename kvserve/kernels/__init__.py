@@ -3,7 +3,9 @@
 Plain C (no torch headers) compiles in about a second with the system compiler; the shared
 object is cached under ~/.cache/kvserve/kernels keyed by the source, the flags and the CPU, so
 later starts just load it. Without a compiler (or with KVSERVE_NO_KERNELS=1) everything falls
-back to the pure-torch path, which gives the same results.
+back to the pure-torch path, which gives the same results; KVSERVE_REQUIRE_KERNELS=1 turns a
+kernel that cannot be built into an error instead (`make test` sets it, so a missing compiler
+cannot quietly skip the kernels' tests).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from pathlib import Path
 import torch
 
 from kvserve.kernels.host_memory import empty_huge
+from kvserve.paths import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +75,6 @@ def load_source(src: Path, signatures: str | None = None) -> ctypes.CDLL:
     `signatures`, its functions typed as _SIGNATURES[signatures]'s. Raises RuntimeError or OSError
     when it cannot be built or loaded. (Also the benchmarks' way to build a kernel's other versions
     and benchmarks/peak.c.)"""
-    from kvserve.loading.cache import cache_root  # here: kvserve.loading imports the model package
-
     headers = b"".join(h.read_bytes() for h in sorted(src.parent.glob("*.h")))  # shared by some sources
     key = hashlib.sha256(src.read_bytes() + headers + " ".join(_FLAGS + _LIBS.get(src.name, [])).encode()
                          + _cpu_signature().encode()).hexdigest()[:16]
@@ -105,6 +106,8 @@ def _load(name: str) -> ctypes.CDLL | None:
     try:
         return load_source(Path(__file__).with_name(f"{name}.c"), name)
     except (OSError, RuntimeError) as e:
+        if os.environ.get("KVSERVE_REQUIRE_KERNELS") == "1":  # make test: a missing kernel is a failure
+            raise RuntimeError(f"KVSERVE_REQUIRE_KERNELS=1 and the C kernel {name} is unavailable: {e}") from e
         log.warning("C kernels (%s) unavailable, using the torch path: %s", name, e)
         return None
 

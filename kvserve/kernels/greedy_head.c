@@ -20,7 +20,7 @@
  * to even, zero-padded): for each pair of k, 16 tokens x 2 values, so vpmovsxbw + vpmaddwd against
  * a broadcast pair of the row's int16 values gives 8 tokens' partial dots per instruction.
  * AVX2, with each vpmaddwd + vpaddd fused into one vpdpwssd where the CPU has VNNI (0.81-0.87x the
- * screen's time on a Zen 4, benchmarks/screen_ab.py); with AVX-512 (BW) a chunk's 16 tokens fill one
+ * screen's time on a Zen 4); with AVX-512 (BW) a chunk's 16 tokens fill one
  * 512-bit vector (0.56-0.60x the 256-bit VNNI screen's time on a Zen 5, whose units are 512 bits
  * wide); screen_available() is 0 without AVX2 and the caller computes the full logits.
  */

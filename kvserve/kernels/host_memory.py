@@ -91,7 +91,7 @@ def keep_freed_memory() -> bool:
     outputs are tens of MB). glibc serves blocks over its mmap threshold (at most 32 MB) with a
     fresh mmap and unmaps them on free, so every step faults those pages in again, 4 KB at a time,
     with the zeroing that comes with it; in the offline workload that was ~10-15% of the run
-    (docs/BENCHMARKS.md, twentieth and twenty-first sessions). PyTorch's CPU guides recommend
+    (docs/ARCHITECTURE.md, the measured decisions). PyTorch's CPU guides recommend
     preloading jemalloc or tcmalloc for the same reason; this is the same effect without one.
     The cost: the process keeps its peak memory once reached. Process-wide and once per process;
     KVSERVE_KEEP_FREED_MEMORY=0 leaves malloc as it is."""

@@ -138,10 +138,8 @@ static inline int64_t slot_offset(const Args *a, const int32_t *table, int p, in
 
 /* The K or V row of position p on its way into cache: a decode step streams the weights between
  * two reads of a layer's pages, so they come from DRAM. Asking PREFETCH_ROWS rows ahead gained
- * 0-10% per call in benchmarks/attention_prefetch_ab.py (most of the win there is `dots`). */
-#ifndef PREFETCH_ROWS /* benchmarks/attention_prefetch_ab.py builds it with 0 to compare */
+ * 1.02-1.05x per call (docs/ARCHITECTURE.md, "Measured decisions"; most of the win there is `dots`). */
 #define PREFETCH_ROWS 4
-#endif
 static inline void prefetch_row(const Args *a, const void *base, const int32_t *table, int p, int kvh) {
     const int elem = a->bf16 ? 2 : 4;
     const char *row = (const char *)base + slot_offset(a, table, p, kvh) * elem;

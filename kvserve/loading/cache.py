@@ -12,13 +12,10 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
+from kvserve.paths import cache_root
+
 # Bump when the cached format or the conversion changes, so stale entries are not reused.
 CACHE_VERSION = 1
-
-
-def cache_root() -> Path:
-    root = os.environ.get("KVSERVE_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "kvserve"
 
 
 def entry_dir(kind: str, source: Path) -> Path:

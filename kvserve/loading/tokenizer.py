@@ -51,7 +51,8 @@ def convert_gguf_tokenizer(gguf_path: Path, out_path: Path) -> None:
         from transformers import AutoTokenizer  # heavy; imported only for this conversion
     except ImportError:
         raise ModelLoadError(
-            gguf_path, "converting its tokenizer needs the 'transformers' package: pip install transformers"
+            gguf_path, "converting its tokenizer (once per file) needs the 'transformers' package: "
+            "pip install 'kvserve[convert]'"
         ) from None
     import tempfile
 

@@ -17,7 +17,6 @@ from torch import nn
 from kvserve.kernels import norm_rope_write, norm_rope_write_rows, paged_decode_attention, prefill_attention
 from kvserve.kernels.host_memory import empty_huge
 from kvserve.model.config import ModelConfig
-from kvserve.model import layers
 from kvserve.model.layers import RMSNorm, apply_rope
 from kvserve.model.panels import Panels, fused_panels
 
@@ -398,13 +397,11 @@ class Attention(nn.Module):
     def _fused_prologue(self, q, k, v, cos_sin, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor | None:
         """q/k norms, RoPE and the K/V write as one C call (kvserve/kernels/rope_cache.c) for fp32
         steps; returns the rotated q [T, H, D], or None (the torch ops run). Bitwise the torch
-        path: the size limit is the one under which the norms take the C kernel there too."""
+        path."""
         if kv_cache.quantized or torch.is_grad_enabled():
             return None
         if q.is_cuda:
             return self._fused_prologue_cuda(q, k, v, cos_sin, kv_cache, meta)
-        if q.numel() > layers.NORM_KERNEL_MAX_ELEMENTS:
-            return None
         # (k, v and k_norm are None for a layer reusing another layer's K/V.)
         q_gain = None if self.q_norm is None else self.q_norm.kernel_gain()
         k_gain = None if self.k_norm is None else self.k_norm.kernel_gain()

@@ -13,7 +13,6 @@ from torch import nn
 from kvserve import kernels
 from kvserve.model.attention import AttentionMetadata, KeptRows, KVCache
 from kvserve.model.config import ModelConfig
-from kvserve.model.decode_plan import DecodePlan, plan_for
 from kvserve.model.greedy_head import GreedyHead
 from kvserve.model.layers import RMSNorm, RotaryEmbedding
 from kvserve.model.panels import PanelLinear, Panels
@@ -67,12 +66,7 @@ class CausalLM(nn.Module):
         rows only (a layer class with `takes_kept_rows`; others run whole and the rows are picked
         after)."""
         h = self.embed(input_ids)
-        cos_sin = {t: rot.cos_sin(positions, h.dtype) for t, rot in self.rotary.items()}
-        if num_layers is None and keep is None and DecodePlan.applies(h, meta):  # one decode row: one C call
-            plan = plan_for(self, kv_cache)
-            out = None if plan is None else plan.run(h, cos_sin, meta)
-            if out is not None:
-                return self.norm(out)
+        cos_sin = self.rope_tables(positions, h.dtype)
         layers = self.layers[:num_layers]
         for i, layer in enumerate(layers):
             cs = cos_sin[self.config.layer_types[i]]
@@ -87,6 +81,10 @@ class CausalLM(nn.Module):
             h = h.index_select(0, keep.rows)
         return h if h.shape[0] == 0 else self.norm(h)
 
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """(cos, sin) at `positions` for each layer type's rotary table."""
+        return {t: rot.cos_sin(positions, dtype) for t, rot in self.rotary.items()}
+
     def compile_step(self, **options):
         """`step_graph` through torch.compile, dynamic in the token count (kvserve/model/compiled.py);
         `options` go to torch.compile. Run it with `run_compiled`. The graph is built on the first
@@ -100,7 +98,7 @@ class CausalLM(nn.Module):
         """What torch.compile traces: input_ids, positions [T] -> final hidden states [T, hidden]
         (normed), every layer's attention an opaque op reading the step context."""
         h = self.embed(input_ids)
-        cos_sin = {t: rot.cos_sin(positions, h.dtype) for t, rot in self.rotary.items()}
+        cos_sin = self.rope_tables(positions, h.dtype)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos_sin[self.config.layer_types[i]], None, None)
         return self.norm(h)

@@ -198,6 +198,20 @@ class DecodePlan:
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def run_decode_plan(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+                    meta: AttentionMetadata) -> torch.Tensor | None:
+    """A step's final hidden states [1, hidden] through the model's plan (embedding, every layer
+    in one C call, final norm), or None where no plan applies (the caller runs the model)."""
+    if input_ids.shape[0] != 1:
+        return None
+    h = model.embed(input_ids)
+    if not DecodePlan.applies(h, meta):
+        return None
+    plan = plan_for(model, kv_cache)
+    out = None if plan is None else plan.run(h, model.rope_tables(positions, h.dtype), meta)
+    return None if out is None else model.norm(out)
+
+
 def plan_for(model: nn.Module, kv_cache: KVCache) -> DecodePlan | None:
     """The model's current plan for this KV cache (built, or rebuilt after a change), or None."""
     plans = _PLANS.setdefault(model, weakref.WeakKeyDictionary())

@@ -8,14 +8,24 @@ quarter of the fp32 head's bytes.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from kvserve import kernels
 
-if TYPE_CHECKING:  # panels.py imports this module
-    from kvserve.model.panels import Panels
+
+class Panels(Protocol):
+    """What the screen reads of a packed head (model/panels.py's Panels, which builds it)."""
+
+    weights: tuple[torch.Tensor, ...]
+    packed: torch.Tensor
+    rows: int
+
+    @property
+    def weight(self) -> torch.Tensor: ...
+
+    def refresh(self) -> bool: ...
 
 
 class GreedyHead:

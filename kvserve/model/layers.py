@@ -13,11 +13,6 @@ from kvserve.kernels import rms_norm as rms_norm_kernel
 from kvserve.model.config import RopeConfig
 from kvserve.model.panels import Panels, fused_panels
 
-# fp32 norms up to this many elements take the C kernel (kernels/rms_norm.c), larger ones F.rms_norm.
-# No limit in practice: the kernel was 2.5-3x F.rms_norm at decode sizes and 3-22x at prefill sizes
-# ([512, 640]: 43 vs 979 us); benchmarks/decode_step_ab.py norm lowers it to compare.
-NORM_KERNEL_MAX_ELEMENTS = 1 << 62
-
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32.
@@ -37,14 +32,14 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # fp32 rows go through one C call (kvserve/kernels/rms_norm.c): a decode step runs ~110
         # norms of one token, where torch's per-op overhead is the cost, and at prefill sizes
-        # F.rms_norm was slower still. Other dtypes and autograd take F.rms_norm (bitwise equal to
-        # x * rsqrt(mean(x^2) + eps) [* w]).
+        # F.rms_norm was slower still ([512, 640]: 979 vs 43 us). Other dtypes and autograd take
+        # F.rms_norm (bitwise equal to x * rsqrt(mean(x^2) + eps) [* w]).
         dtype, shape = x.dtype, (x.shape[-1],)
         if x.is_cuda:  # one Triton kernel, the same roundings (kernels/triton_ops.py)
             y = norm_rows(x, self.weight, self.eps, self.offset)
             if y is not None:
                 return y
-        if dtype == torch.float32 and x.numel() <= NORM_KERNEL_MAX_ELEMENTS and not torch.is_grad_enabled():
+        if dtype == torch.float32 and not torch.is_grad_enabled():
             y = rms_norm_kernel(x, self._offset_gain() if self.offset else self.weight, self.eps)
             if y is not None:
                 return y
@@ -63,8 +58,7 @@ class RMSNorm(nn.Module):
                                    None if then is None else then.weight)
             if y is not None:
                 return y
-        if (x.dtype == torch.float32 and x.numel() <= NORM_KERNEL_MAX_ELEMENTS and not torch.is_grad_enabled()
-                and residual.dtype == torch.float32):
+        if x.dtype == torch.float32 and not torch.is_grad_enabled() and residual.dtype == torch.float32:
             gain = self.kernel_gain()
             gain2 = None if then is None else then.kernel_gain()
             if gain is not None and (then is None or (gain2 is not None and then.eps == self.eps)):

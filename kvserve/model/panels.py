@@ -2,10 +2,10 @@
 
 A decode step multiplies a few rows (one per running sequence) by every weight matrix; MKL's
 sgemm re-packs the weight on each call and is slow for a handful of rows. The engine keeps a
-packed copy of each fp32 weight (one more copy of the weights in memory) and sends inputs of up
-to MAX_PANEL_ROWS rows through the kernel, prefill chunks included: on a 2-core Zen 3 it matched or
-beat MKL at 256-512 rows as well (1.0-1.45x per matrix, a 512-token prefill 1.24x faster); the
-AVX-512 Xeon of earlier sessions was measured up to 128 rows only.
+packed copy of each fp32 weight (one more copy of the weights in memory) and sends inputs of any
+number of rows through the kernel, prefill chunks included: on a 2-core Zen 3 it matched or
+beat MKL at 256-512 rows as well (1.0-1.45x per matrix, a 512-token prefill 1.24x faster); on an
+AVX-512 Xeon it was measured up to 128 rows only.
 
 A packed copy remembers the weight it came from (storage and in-place version counter) and is
 rebuilt when that changes, so pruning, SmoothQuant or training the model afterwards does not leave
@@ -19,8 +19,6 @@ from torch import nn
 
 from kvserve import kernels
 from kvserve.model.greedy_head import GreedyHead
-
-MAX_PANEL_ROWS = 1 << 16  # any prefill chunk (benchmarks/decode_step_ab.py panels, prefill-panels)
 
 
 class Panels:
@@ -65,13 +63,12 @@ class Panels:
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
         """x [..., K] @ the stacked weights^T (+ bias) -> [..., sum N_i]; None where the kernel does
-        not apply (more than MAX_PANEL_ROWS rows, another dtype or device, autograd) and PyTorch's
-        matmul should."""
+        not apply (no rows, another dtype or device, autograd) and PyTorch's matmul should."""
         if torch.compiler.is_compiling():  # the traced graph multiplies with the Linear's own weight
             return None
         k = self.weights[0].shape[1]
         rows = x.numel() // k if k else 0
-        if (not 0 < rows <= MAX_PANEL_ROWS or x.dtype != torch.float32 or x.device.type != "cpu"
+        if (rows == 0 or x.dtype != torch.float32 or x.device.type != "cpu"
                 or (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in self.weights)))):
             return None
         if not self.refresh():

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from kvserve.prune.masks import (check_sparsity, input_norms_from_hessian, magnitude_scores, parse_pattern,
+from kvserve.prune.masks import (check_sparsity, magnitude_scores, parse_pattern,
                                  select_mask, wanda_scores)
 from kvserve.prune.sparsegpt import sparsegpt_prune
 from kvserve.quant.apply import linear_layers

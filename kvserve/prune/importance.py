@@ -1,6 +1,6 @@
 """Activation-based importance for structured pruning (Minitron, Muralidharan et al. 2024).
 
-One forward pass over calibration windows (no KV cache, `kvserve.eval.ppl.window_hidden`) with
+One forward pass over calibration windows (no KV cache, `kvserve.eval.windows.window_hidden`) with
 forward hooks scores every prunable unit of the ORIGINAL model at once:
 
   heads     [num_layers, num_heads]   each query head's attention output before o_proj:
@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from kvserve.eval.ppl import window_hidden
+from kvserve.eval.windows import window_hidden
 from kvserve.model.base import CausalLM
 from kvserve.model.layers import RMSNorm
 

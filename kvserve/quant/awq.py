@@ -49,7 +49,7 @@ class ScaleGroup:
 
 def scale_groups(block: nn.Module) -> list[ScaleGroup]:
     """The foldable groups of a Llama-family or Gemma 3 decoder layer (see the module doc)."""
-    attn, mlp = block.self_attn, block.mlp
+    attn = block.self_attn
     groups = [ScaleGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                          "self_attn")]
     if attn.num_heads == attn.num_kv_heads and attn.v_proj.weight.shape[0] == attn.o_proj.weight.shape[1]:

@@ -1,9 +1,8 @@
 """Calibration for the methods that look at activations (GPTQ, AWQ): data and the sequential
 layer-by-layer pipeline.
 
-Data: `nsamples` random windows of `seqlen` tokens from WikiText-2 `wiki.valid.tokens` (the file
-beside the one `kvserve eval ppl` reads, located the same way: $KVSERVE_WIKITEXT or
-../shared/data/wikitext2), drawn with a fixed seed. For a model with BOS each window is
+Data: `nsamples` random windows of `seqlen` tokens from WikiText-2 `wiki.valid.tokens` (under
+$KVSERVE_DATA/wikitext2, kvserve/paths.py), drawn with a fixed seed. For a model with BOS each window is
 BOS + seqlen - 1 text tokens, as in the perplexity windows.
 
 Pipeline (GPTQ's sequential scheme): the embeddings of all windows are the inputs of block 0;
@@ -12,7 +11,7 @@ calibrated on what the quantized model will really feed it. Only one block's inp
 ([nsamples * seqlen, hidden]) are held at a time, plus the statistics of that block's linears
 (Hessians [in, in], per-channel means and maxima, a few sample rows): memory stays bounded
 whatever the depth. Each window runs without a KV cache through the layer's own attention with
-the perplexity harness's `WindowAttention` (RoPE at 0..L-1, causal / sliding-window masks).
+`WindowAttention` (kvserve/eval/windows.py) (RoPE at 0..L-1, causal / sliding-window masks).
 
 `Calibrator(model, windows)` is the `stats_fn` of `quantize_model`: `calibrator(i, name)` returns
 the `LayerStats` of linear `name` of block i, running block i on its inputs the first time it is
@@ -26,17 +25,17 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from kvserve.eval.ppl import _NO_SLOTS, WindowAttention, tokenize_file
-from kvserve.eval.stream import default_data_path
+from kvserve.eval.windows import NO_SLOTS, WindowAttention, tokenize_file
 from kvserve.model.attention import AttentionMetadata
+from kvserve.paths import WIKITEXT2_VALID, wikitext2_file
 from kvserve.quant.spec import LayerStats
 
 STATS = ("hessian", "absmean", "absmax", "inputs")
 
 
 def calibration_path() -> Path:
-    """WikiText-2 `wiki.valid.tokens`, in the folder of the default evaluation file."""
-    return default_data_path().parent / "wiki.valid.tokens"
+    """WikiText-2 `wiki.valid.tokens` under $KVSERVE_DATA."""
+    return wikitext2_file(WIKITEXT2_VALID, "--calib-file")
 
 
 def calibration_windows(token_ids: torch.Tensor, nsamples: int, seqlen: int, seed: int = 0,
@@ -66,7 +65,7 @@ def load_calibration(tokenizer, nsamples: int = 128, seqlen: int = 512, seed: in
     """Tokenize wiki.valid.tokens (or `path`) once and draw the windows -> [nsamples, seqlen]."""
     path = Path(path) if path is not None else calibration_path()
     if not path.is_file():
-        raise ValueError(f"calibration file {path} not found (set KVSERVE_WIKITEXT to the WikiText-2 folder)")
+        raise ValueError(f"calibration file {path} not found (pass --calib-file FILE)")
     return calibration_windows(tokenize_file(tokenizer, path), nsamples, seqlen, seed, bos_token_id)
 
 
@@ -91,7 +90,7 @@ def run_windows(fn: Callable[[torch.Tensor, AttentionMetadata], torch.Tensor], m
     for a in range(0, n, batch_size):
         b = min(batch_size, n - a)
         if b not in metas:
-            metas[b] = AttentionMetadata(slot_mapping=_NO_SLOTS, seqs=[], custom=WindowAttention(model, b, seqlen))
+            metas[b] = AttentionMetadata(slot_mapping=NO_SLOTS, seqs=[], custom=WindowAttention(model, b, seqlen))
         outs.append(fn(x[a * seqlen:(a + b) * seqlen], metas[b]))
     return torch.cat(outs)
 

@@ -4,7 +4,7 @@ stored, so the product is the same), one kernel call instead of three or two.
 
 For the engine's `--weights int8|int4` path, where a batch-1 decode step is ~126 small kernel
 calls and the per-call cost counts. fp32 layers are left alone: MKL's GEMM was no faster on the
-fused shapes (benchmarks/decode_step_ab.py fusion).
+fused shapes (docs/ARCHITECTURE.md, "Measured decisions").
 """
 from __future__ import annotations
 

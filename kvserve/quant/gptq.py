@@ -1,7 +1,7 @@
 """GPTQ (Frantar et al., 2022): quantize a weight column by column, each rounding error pushed
 onto the columns not yet quantized through the inverse Hessian of the layer's inputs.
 
-Per layer (docs/REFERENCE.md): H = 2 X^T X / n from the calibration inputs X [n, in] (collected by
+Per layer: H = 2 X^T X / n from the calibration inputs X [n, in] (collected by
 kvserve/quant/calibrate.py through the already-quantized earlier blocks). Dead inputs (H_jj = 0)
 get H_jj = 1 and W[:, j] = 0. H += percdamp * mean(diag H) * I. U = upper Cholesky factor of H^-1.
 For column i: q = Q(w_i), err = (w_i - q) / U_ii, W[:, i:] -= err U[i, i:]. Columns run in lazy

@@ -45,7 +45,7 @@ KERNELS = ("int4", "int8", "dequant")
 INT4_GROUP_SIZES = (256, 128, 64, 32)  # what _weight_int4pack_mm_for_cpu accepts
 _DEQUANT_CHUNK = 1 << 22  # weights dequantized at once by the fallback (16 MiB of fp32)
 # Rows up to which the C kernels multiply directly; more dequantize to fp32 (use_gemv_kernel).
-GEMV_MAX_ROWS = 64  # up to here they matched PyTorch's int kernels per row (benchmarks/decode_step_ab.py lowbit-rows)
+GEMV_MAX_ROWS = 64  # up to here they beat PyTorch's int kernels per row (ARCHITECTURE.md)
 
 
 def _has_op(name: str) -> bool:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.quant.spec import LayerStats, QuantizedWeight, QuantSpec
+from kvserve.quant.spec import LayerStats, QuantizedWeight, QuantSpec, dequantize, expand_params, group_view
 
 
 def grid_qparams(xmin: torch.Tensor, xmax: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -47,14 +47,6 @@ def _round_scale(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return scale.clamp(info.tiny, info.max).to(dtype).float()
 
 
-def _groups(x: torch.Tensor, g: int) -> torch.Tensor:
-    """x [..., K] -> view [..., g, K // g]."""
-    k = x.shape[-1]
-    if k % g:
-        raise ValueError(f"{g} scale groups do not divide {k} columns")
-    return x.reshape(*x.shape[:-1], g, k // g)
-
-
 def compute_qparams(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Min-max grid of a matrix at the spec's granularity.
 
@@ -68,14 +60,8 @@ def compute_qparams(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, tor
     if spec.granularity == "tensor":
         scale, zero = grid_qparams(w.min().reshape(1, 1), w.max().reshape(1, 1), spec)
         return scale.expand(out, 1).contiguous(), None if zero is None else zero.expand(out, 1).contiguous()
-    wg = _groups(w, spec.num_groups(k))  # [out, G, K/G]
+    wg = group_view(w, spec.num_groups(k))  # [out, G, K/G]
     return grid_qparams(wg.amin(-1), wg.amax(-1), spec)
-
-
-def _expand(p: torch.Tensor, g_idx: torch.Tensor | None) -> torch.Tensor:
-    """Per-group params [..., G] -> [..., G, 1] to broadcast over grouped values [..., G, K/G],
-    or gathered to [..., K] column by column (g_idx [K])."""
-    return p[..., g_idx] if g_idx is not None else p[..., None]
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, spec: QuantSpec,
@@ -85,24 +71,11 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, sp
     x [..., K], scale/zero [..., G] -> codes [..., K] int32. Rounding is half-to-even.
     """
     xf = x.float()
-    shaped = xf if g_idx is not None else _groups(xf, scale.shape[-1])
-    q = torch.round(shaped / _expand(scale, g_idx))
+    shaped = xf if g_idx is not None else group_view(xf, scale.shape[-1])
+    q = torch.round(shaped / expand_params(scale, g_idx))
     if zero is not None:
-        q = q + _expand(zero, g_idx)
+        q = q + expand_params(zero, g_idx)
     return torch.clamp(q, spec.qmin, spec.qmax).to(torch.int32).reshape(x.shape)
-
-
-def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-               g_idx: torch.Tensor | None = None) -> torch.Tensor:
-    """Codes -> values: s * (q - z). codes [..., K], scale/zero [..., G] -> [..., K] float32.
-
-    The integer difference is taken first and then scaled once, so a value produced by this
-    function quantizes back to the same code and dequantizes to the same bits.
-    """
-    q = codes if g_idx is not None else _groups(codes, scale.shape[-1])
-    if zero is not None:
-        q = q - _expand(zero, g_idx)
-    return (q.float() * _expand(scale.float(), g_idx)).reshape(codes.shape)
 
 
 def fake_quantize(w: torch.Tensor, spec: QuantSpec) -> torch.Tensor:

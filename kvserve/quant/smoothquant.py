@@ -151,7 +151,7 @@ def smooth_model(model: nn.Module, act_absmax: Mapping[str, torch.Tensor | Layer
 def collect_act_absmax(model: nn.Module, windows: torch.Tensor, batch_size: int = 4) -> dict[str, torch.Tensor]:
     """Per-input-channel max |x| of every nn.Linear in model.layers over windows [B, L] of token
     ids (each one forward pass as in kvserve.eval.ppl) -> {"layers.{i}.{name}": [K] float32}."""
-    from kvserve.eval.ppl import window_hidden
+    from kvserve.eval.windows import window_hidden
 
     out: dict[str, torch.Tensor] = {}
     hooks = []

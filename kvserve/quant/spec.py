@@ -9,7 +9,7 @@
   LLM.int8() and QAT plug in the same way: weight [out, in] (+ stats) -> QuantizedWeight, and
   `QuantLinear.from_quantized` turns any of them into a packed layer with a real kernel.
 
-The affine grid (REFERENCE.md): q = clamp(round(x / s) + z, qmin, qmax), x_hat = s * (q - z).
+The affine grid: q = clamp(round(x / s) + z, qmin, qmax), x_hat = s * (q - z).
 Symmetric grids use z = 0 and signed codes in [-2^(b-1), 2^(b-1) - 1] with s = absmax / (2^(b-1) - 1)
 (the "restricted range" absmax grid: +-absmax are exactly representable, -2^(b-1) is never
 produced by rounding). Asymmetric grids use unsigned codes in [0, 2^b - 1] and an integer zero
@@ -104,8 +104,6 @@ class QuantizedWeight:
 
     def dequantize(self) -> torch.Tensor:
         """-> [out, in] float32."""
-        from kvserve.quant.rtn import dequantize
-
         return dequantize(self.codes, self.scale, self.zero, g_idx=self.g_idx)
 
 
@@ -141,3 +139,32 @@ class LayerQuantizer(Protocol):
     def quantize_layer(self, weight: torch.Tensor, stats: LayerStats | None = None) -> QuantizedWeight:
         """weight [out, in] float -> QuantizedWeight of the same shape."""
         ...
+
+
+# --- the grid's arithmetic, shared by every method (RTN, GPTQ, AWQ, QAT) and the kernels' fallback
+
+def group_view(x: torch.Tensor, g: int) -> torch.Tensor:
+    """x [..., K] -> view [..., g, K // g]."""
+    k = x.shape[-1]
+    if k % g:
+        raise ValueError(f"{g} scale groups do not divide {k} columns")
+    return x.reshape(*x.shape[:-1], g, k // g)
+
+
+def expand_params(p: torch.Tensor, g_idx: torch.Tensor | None) -> torch.Tensor:
+    """Per-group params [..., G] -> [..., G, 1] to broadcast over grouped values [..., G, K/G],
+    or gathered to [..., K] column by column (g_idx [K])."""
+    return p[..., g_idx] if g_idx is not None else p[..., None]
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+               g_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """Codes -> values: s * (q - z). codes [..., K], scale/zero [..., G] -> [..., K] float32.
+
+    The integer difference is taken first and then scaled once, so a value produced by this
+    function quantizes back to the same code and dequantizes to the same bits.
+    """
+    q = codes if g_idx is not None else group_view(codes, scale.shape[-1])
+    if zero is not None:
+        q = q - expand_params(zero, g_idx)
+    return (q.float() * expand_params(scale.float(), g_idx)).reshape(codes.shape)

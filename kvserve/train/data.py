@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from kvserve.eval.ppl import make_windows, tokenize_file
+from kvserve.eval.windows import make_windows, tokenize_file
 
 
 def training_windows(tokenizer, seqlen: int, *, path: Path | None = None, bos_token_id: int | None = None,
@@ -30,7 +30,7 @@ def training_windows(tokenizer, seqlen: int, *, path: Path | None = None, bos_to
         raise ValueError(f"max_windows must be >= 1, got {max_windows}")
     path = Path(path).expanduser() if path is not None else calibration_path()
     if not path.is_file():
-        raise ValueError(f"--text-file: {path} not found (pass --text-file PATH or set KVSERVE_WIKITEXT)")
+        raise ValueError(f"--text-file: {path} not found (pass --text-file PATH or set KVSERVE_DATA)")
     ids = tokenize_file(tokenizer, path)
     windows = make_windows(ids, seqlen, bos_token_id)
     order = torch.randperm(windows.shape[0], generator=torch.Generator().manual_seed(seed))

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from kvserve.eval.ppl import window_hidden
+from kvserve.eval.windows import window_hidden
 
 DEFAULT_CHUNK_ROWS = 128  # 128 x 262144 fp32 logits = 128 MiB per copy
 

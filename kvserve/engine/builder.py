@@ -1,0 +1,237 @@
+"""What LLMEngine is built from: the weights as computed, the context cap, the KV pool and its
+layer groups, StreamingLLM's policies, CUDA graphs.
+
+Each function takes the EngineConfig and the model (or its config) and returns one part, so the
+engine's constructor reads as its list of steps and each decision sits in one function with its
+reason.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Callable
+
+import torch
+
+from kvserve.config import EngineConfig
+from kvserve.engine.block_manager import BlockManager
+from kvserve.engine.cuda_graphs import DecodeGraphs
+from kvserve.engine.scheduler import Scheduler
+from kvserve.kernels.host_memory import keep_freed_memory
+from kvserve.loading import LoadedModel, load_model
+from kvserve.loading.loader import build_model
+from kvserve.model.attention import KVCache
+from kvserve.model.config import LayerGroup, ModelConfig, kv_layer_groups
+from kvserve.model.fused_linear import fuse_linear_projections
+from kvserve.model.streaming import StreamPolicy, layer_policies
+
+log = logging.getLogger(__name__)
+# StreamingLLM's default context cap: a position is only a stream index there (the model sees
+# ranks in its bounded cache), so this bounds bookkeeping, not memory. --max-model-len changes it.
+STREAMING_MAX_MODEL_LEN = 1 << 20
+
+
+@dataclasses.dataclass
+class KVPool:
+    """The paged KV cache and how the block manager counts it."""
+
+    cache: KVCache
+    page_bytes: int  # one page: block_size tokens of K and V for one layer group's layers
+    num_blocks: int  # pages the block manager hands out (a CUDA-graph padding page is not one)
+
+
+def set_up_host(cfg: EngineConfig) -> None:
+    """Process-wide settings the engine's steps rely on."""
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    if torch.device(cfg.device).type == "cpu":
+        keep_freed_memory()  # no page faults on each step's large temporaries
+
+
+def load_weights(cfg: EngineConfig, loaded: LoadedModel | None,
+                 pack_weights: Callable[..., None]) -> LoadedModel:
+    """The model as the engine computes with it: `loaded` (else cfg.model, loaded here), low-bit
+    when cfg.weights asks, packed for CPU decode steps by `pack_weights(model, what, head_only)`,
+    its projections fused on CUDA."""
+    out = low_bit_weights(loaded or load_model(cfg.model, cfg.dtype, cfg.device), cfg, owned=loaded is None)
+    pack_weights(out.model, "model", head_only=cfg.compile)
+    fuse_cuda_projections(out.model, cfg)
+    return out
+
+
+def pack_weights(model: torch.nn.Module, cfg: EngineConfig, what: str, pack: Callable[..., int],
+                 head_only: bool = False) -> None:
+    """EngineConfig.pack_weights: fp32 weights on the CPU also packed for decode steps by `pack`
+    (kvserve/model/panels.py `use_panel_kernels`); `head_only` (compile): the LM head alone."""
+    if not cfg.pack_weights or cfg.device != "cpu" or next(model.parameters()).dtype != torch.float32:
+        return
+    t = time.perf_counter()
+    n = pack(model, head_only=head_only)
+    if n:
+        log.info("%s: %d weight matrices packed for decode steps in %.1f s", what, n, time.perf_counter() - t)
+
+
+def fuse_cuda_projections(model: torch.nn.Module, cfg: EngineConfig) -> None:
+    """CUDA float weights: q/k/v and gate/up as one matmul each (model/fused_linear.py; the
+    originals become views, no memory is added)."""
+    if torch.device(cfg.device).type != "cuda" or cfg.weights != "float":
+        return
+    n = fuse_linear_projections(model)
+    log.info("model: %d projections fused for CUDA (q/k/v, gate/up)", n)
+
+
+def low_bit_weights(loaded: LoadedModel, cfg: EngineConfig, owned: bool) -> LoadedModel:
+    """EngineConfig.weights int8 / int4: RTN-quantize every linear layer, the LM head and the
+    embedding, onto the int8 / int4 kernels of kvserve/quant/linear.py (a copy when
+    the caller owns the model); q/k/v and gate/up fused (kvserve/quant/fuse.py)."""
+    kind = cfg.weights
+    if kind == "float":
+        return loaded
+    from kvserve.quant.apply import quantize_model
+    from kvserve.quant.fuse import fuse_projections
+    from kvserve.quant.linear import QuantLinear, use_gemv_kernels
+
+    model = loaded.model
+    if any(isinstance(m, QuantLinear) for m in model.modules()):
+        raise ValueError(f"weights {kind!r}: {loaded.source} is already quantized (a kvserve quant folder); "
+                         "weights int8 / int4 quantize a float model when the engine starts")
+    if not owned:
+        dtype = next(model.parameters()).dtype
+        model = build_model(loaded.config, model.state_dict(), dtype, cfg.device, loaded.source)
+    bits = 8 if kind == "int8" else 4
+    group = 128
+    if bits == 4:  # the largest group the int4 kernel takes that divides every layer's inputs
+        widths = {m.in_features for m in model.modules() if isinstance(m, torch.nn.Linear)}
+        fits = [g for g in (128, 64, 32) if all(w % g == 0 for w in widths)]
+        if not fits:
+            raise ValueError(f"weights 'int4': no group size of 128, 64 or 32 divides the layer widths "
+                             f"{sorted(widths)} of {loaded.source}")
+        group = fits[0]
+    t = time.perf_counter()
+    quantize_model(model, "rtn", bits=bits, group_size=group, granularity="channel" if bits == 8 else "group",
+                   sym=bits == 8, lm_head=True, embedding=True, progress=False)
+    fuse_projections(model)  # q/k/v and gate/up: one kernel call each
+    use_gemv_kernels(model)
+    log.info("weights %s: RTN-quantized every linear, the LM head and the embedding in %.1f s", kind,
+             time.perf_counter() - t)
+    return dataclasses.replace(loaded, model=model)
+
+
+def check_model(cfg: EngineConfig, mc: ModelConfig) -> None:
+    """Refuse the options the model's KV layout cannot serve. MLA caches one latent per token: no
+    per-head K/V for KV quantization or StreamingLLM. StreamingLLM keeps a per-layer rank-rotated
+    cache; a layer reusing another's K/V (cross-layer sharing) has none."""
+    if mc.mla and cfg.kv_cache_dtype != "auto":
+        raise ValueError(f"kv_cache_dtype {cfg.kv_cache_dtype!r} is not supported for MLA models "
+                         f"({mc.model_type}): use 'auto'")
+    if mc.mla and cfg.streaming_window is not None:
+        raise ValueError(f"streaming_window is not supported for MLA models ({mc.model_type})")
+    if mc.kv_source is not None and cfg.streaming_window is not None:
+        raise ValueError("streaming_window is not supported for models with cross-layer KV sharing "
+                         "(config kvserve_kv_source)")
+
+
+def stream_policies(cfg: EngineConfig, mc: ModelConfig) -> list[StreamPolicy] | None:
+    """StreamingLLM's per-layer policies (None when off). The ranks given to cached keys
+    must stay within the positions the model was trained on."""
+    if cfg.streaming_window is None:
+        return None
+    budget = cfg.attention_sinks + cfg.streaming_window
+    if budget > mc.max_position_embeddings:
+        raise ValueError(f"attention_sinks + streaming_window = {budget} exceeds the model's context "
+                         f"(max_position_embeddings {mc.max_position_embeddings})")
+    return layer_policies(mc, cfg.attention_sinks, cfg.streaming_window)
+
+
+def max_model_len(cfg: EngineConfig, mc: ModelConfig, policies: list[StreamPolicy] | None) -> int:
+    """The context cap: the model's trained context, or with StreamingLLM (whose positions
+    are ranks in a bounded cache) what the user asks, by default STREAMING_MAX_MODEL_LEN."""
+    if policies is not None:
+        return cfg.max_model_len or STREAMING_MAX_MODEL_LEN
+    return min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+
+
+def layer_groups(cfg: EngineConfig, mc: ModelConfig, policies: list[StreamPolicy] | None) -> list[LayerGroup]:
+    """KV layer groups: with sliding-window release, full and sliding layers get separate
+    block tables so sliding ones can return their old blocks. Off without a KV cache (that
+    baseline recomputes from position 0 into the same blocks) and with a separate draft
+    model (its layers do not map onto the target's groups; it shares group 0's table).
+    With StreamingLLM every layer reads only sinks + its window: one group of every layer
+    whose window is the longest any layer looks back (its sink blocks are kept too)."""
+    if policies is not None:
+        lookback = max(p.window for p in policies)
+        return [LayerGroup(tuple(range(mc.num_layers)), lookback)]
+    release = cfg.sliding_window_release and cfg.use_kv_cache and cfg.speculative != "draft"
+    return kv_layer_groups(mc, release)
+
+
+def kv_pool(cfg: EngineConfig, mc: ModelConfig, groups: list[LayerGroup], kv_dtype: torch.dtype,
+            pad_page: bool) -> KVPool:
+    """As many pages as kv_cache_gib holds (at least one per layer group). `pad_page`: one page
+    more past the block manager's pool, which a captured decode step's padding rows write into."""
+    heads, k_dim, v_dim = mc.kv_cache_layout  # MLA: latent + RoPE key
+    per_token_head = KVCache.bytes_per_token_head(k_dim, kv_dtype, cfg.kv_cache_dtype, v_dim)
+    page_bytes = len(groups[0].layers) * heads * per_token_head * cfg.block_size
+    num_blocks = max(len(groups), int(cfg.kv_cache_gib * 2**30 // page_bytes))
+    cache = KVCache(mc.num_layers, (num_blocks + int(pad_page)) * cfg.block_size, heads, k_dim,
+                    kv_dtype, cfg.device, layer_groups=[g.layers for g in groups],
+                    kv_dtype=cfg.kv_cache_dtype, v_head_dim=v_dim, kv_source=mc.kv_source)
+    return KVPool(cache, page_bytes, num_blocks)
+
+
+def block_manager(cfg: EngineConfig, num_blocks: int, groups: list[LayerGroup]) -> BlockManager:
+    """Prefix caching needs a KV cache to hit; sink_tokens is 0 unless streaming (EngineConfig checks)."""
+    return BlockManager(num_blocks, cfg.block_size,
+                        enable_prefix_caching=cfg.enable_prefix_caching and cfg.use_kv_cache,
+                        group_windows=[g.window for g in groups], sink_tokens=cfg.attention_sinks)
+
+
+def cap_max_model_len(max_len: int, bm: BlockManager, cfg: EngineConfig, keep_all: bool) -> int:
+    """A lone sequence must always be able to run to its end: cap the context to what the
+    pool holds for one sequence at its peak (`keep_all`: a separate draft cache, which may lag
+    the target, holds sliding-window release back: then every group keeps every block)."""
+    cap = bm.max_tokens_per_seq(cfg.max_num_batched_tokens, keep_all=keep_all)
+    if cap is not None and max_len > cap:
+        # A sequence can never outgrow the pool; cap the context rather than fail mid-request.
+        log.warning("max_model_len %d exceeds what the KV pool holds for one sequence (%d tokens); capping it "
+                    "(raise --kv-cache-gib)", max_len, cap)
+        return cap
+    return max_len
+
+
+def log_pool(cfg: EngineConfig, groups: list[LayerGroup], num_blocks: int, cache: KVCache) -> None:
+    bs = cfg.block_size
+    sliding = [g for g in groups if g.window is not None]
+    layout = (f"{len(groups)} layer groups of {len(groups[0].layers)} layers: {len(groups) - len(sliding)} full, "
+              f"{len(sliding)} sliding (window {sliding[0].window}, blocks outside it are released)"
+              if sliding else "one layer group, every layer keeps every block")
+    log.info("KV pool (%s): %d pages x %d tokens = %d page-tokens, %d tokens of all layers (%.2f GiB); %s",
+             cfg.kv_cache_dtype, num_blocks, bs, num_blocks * bs, num_blocks // len(groups) * bs,
+             cache.nbytes / 2**30, layout)
+
+
+def scheduler(cfg: EngineConfig, bm: BlockManager, max_len: int) -> Scheduler:
+    """Draft slots are reserved only when a drafter will fill them."""
+    return Scheduler(bm, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                     max_model_len=max_len, enable_chunked_prefill=cfg.enable_chunked_prefill,
+                     num_speculative_tokens=cfg.num_speculative_tokens if cfg.speculative else 0)
+
+
+def cuda_graphs_fit(cfg: EngineConfig, mc: ModelConfig, policies: list[StreamPolicy] | None) -> bool:
+    """The configuration has the decode steps a graph captures: float weights and the model's own
+    paged attention over an unquantized pool (the kernels that read lengths from memory), unless
+    enforce_eager."""
+    return (not cfg.enforce_eager and not cfg.compile
+            and cfg.weights == "float" and cfg.kv_cache_dtype == "auto" and cfg.use_kv_cache
+            and policies is None and not mc.mla)
+
+
+def capture_cuda_graphs(model: torch.nn.Module, cache: KVCache, cfg: EngineConfig, max_len: int,
+                        pad_block: int) -> DecodeGraphs:
+    """Decode steps of each batch bucket captured once; padding rows write into page `pad_block`."""
+    t = time.perf_counter()
+    graphs = DecodeGraphs(model, cache, cfg.block_size, max_len, cfg.max_num_seqs, pad_block=pad_block)
+    graphs.capture()
+    log.info("CUDA graphs: decode steps of %s sequences captured in %.1f s", graphs.buckets, time.perf_counter() - t)
+    return graphs

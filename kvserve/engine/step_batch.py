@@ -1,0 +1,144 @@
+"""One engine step's flat batch: the model runner's inputs, which logits rows belong to which
+sequence, which rows are sampled together, and the reruns a sequence at a time when a pass or a
+sampling group fails (so that only the request that fails alone ends).
+
+Pure bookkeeping over the scheduler's output; the engine owns the requests and the clock.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from kvserve.engine.model_runner import StepInput
+from kvserve.engine.scheduler import ScheduledSeq, SchedulerOutput
+from kvserve.sampling import Sampler, SamplerOutput, SamplingRequest
+from kvserve.sequence import Sequence
+from kvserve.spec.proposers import Draft
+
+log = logging.getLogger(__name__)
+
+
+def sampling_request(seq: Sequence) -> SamplingRequest:
+    """The sampler's view of one sequence's logits row."""
+    return SamplingRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator)
+
+
+@dataclass
+class StepBatch:
+    """One pass's inputs, one per scheduled chunk, and the logits rows the engine reads back."""
+
+    inputs: list[StepInput] = field(default_factory=list)
+    samplers: list[Sequence] = field(default_factory=list)  # sequences that sample a token, at rows[i]
+    rows: list[int] = field(default_factory=list)
+    spec: list[tuple[ScheduledSeq, int]] = field(default_factory=list)  # drafted items, their first row
+    num_rows: int = 0  # logits rows of the pass
+    num_prompt_tokens: int = 0  # prompt tokens that go through the model (not cache hits)
+
+
+def build_batch(sched: SchedulerOutput, drafts: dict[int, Draft], now: float) -> StepBatch:
+    """The scheduled chunks as one flat batch; stamps each sequence's first scheduled time.
+    A drafted item feeds its last known token and its drafts and gets a logits row for each."""
+    b = StepBatch()
+    for item in sched.scheduled:
+        seq = item.seq
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = now
+        start = seq.num_computed_tokens
+        known = item.num_tokens - item.num_spec
+        tokens = seq.token_slice(start, start + known)
+        if item.num_spec:
+            tokens = tokens + drafts[id(item)].token_ids
+        b.num_prompt_tokens += max(0, min(start + known, seq.num_prompt_tokens) - start)
+        b.inputs.append(StepInput(tokens, start, seq.block_table, item.needs_logits, max(1, item.num_logits),
+                                  group_tables=seq.group_block_tables))
+        if item.num_spec:
+            b.spec.append((item, b.num_rows))
+        elif item.needs_logits:
+            b.samplers.append(seq)
+            b.rows.append(b.num_rows)
+        b.num_rows += item.num_logits
+    return b
+
+
+def argmax_only(b: StepBatch, sampler: Sampler) -> bool:
+    """Every logit row of the step wants only its argmax: plain greedy sampling, or the
+    verification of a plain greedy sequence's drafts (no logprobs, penalties or min_tokens)."""
+    spec_rows = [r + j for it, r in b.spec for j in range(it.num_logits)]
+    if not b.num_rows or sorted(b.rows + spec_rows) != list(range(b.num_rows)):
+        return False
+    seqs = b.samplers + [it.seq for it, _ in b.spec]
+    return sampler.greedy_only([sampling_request(s) for s in seqs])
+
+
+def sampling_groups(rows: list[int], samplers: list[Sequence]) -> list[tuple[list[int], list[Sequence]]]:
+    """(logits rows, sequences) to sample together: every sequence with a row of its own in
+    one batch, then the samples forked from one parent a parent at a time, each from the
+    parent's row. A request's n first tokens never gather n copies of the whole batch's
+    vocabulary rows (64 prompts x n 128 of Gemma's would be 8 GB of fp32)."""
+    by_row: dict[int, list[Sequence]] = {}
+    for row, seq in zip(rows, samplers):
+        by_row.setdefault(row, []).append(seq)
+    single = [(row, seqs[0]) for row, seqs in by_row.items() if len(seqs) == 1]
+    groups = []
+    if single:
+        groups.append(([r for r, _ in single], [s for _, s in single]))
+    groups += [([row] * len(seqs), seqs) for row, seqs in by_row.items() if len(seqs) > 1]
+    return groups
+
+
+def rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """logits[rows] [len(rows), V]: the tensor itself when rows are all of it in order, one
+    row repeated as an expanded copy of that row (the samples of one parent)."""
+    if rows == list(range(logits.shape[0])):
+        return logits
+    if len(set(rows)) == 1:
+        return logits[rows[0]].expand(len(rows), -1).contiguous()
+    return logits[torch.tensor(rows, device=logits.device)]
+
+
+def sample_isolating(sampler: Sampler, logits: torch.Tensor, rows: list[int], seqs: list[Sequence],
+                     append: Callable[[list[Sequence], SamplerOutput], None],
+                     fail: Callable[[str, Exception], None]) -> None:
+    """Sample one group's tokens and `append` them. A group that fails is sampled a sequence at
+    a time, so only a request that fails alone ends (`fail(request_id, exc)`)."""
+    try:
+        out = sampler(rows_of(logits, rows), [sampling_request(s) for s in seqs])
+    except Exception as exc:
+        if len(seqs) == 1:
+            fail(seqs[0].request_id, exc)
+            return
+        for row, seq in zip(rows, seqs):
+            sample_isolating(sampler, logits, [row], [seq], append, fail)
+        return
+    append(seqs, out)
+
+
+def execute_isolating(sched: SchedulerOutput, execute: Callable[[SchedulerOutput], None],
+                      fail: Callable[[str, Exception], None]) -> None:
+    """Run the step; if it fails, run each scheduled sequence alone, so that only a request
+    whose own pass fails ends (`fail(request_id, exc)`: with an error, its blocks freed) and the
+    others go on.
+
+    A retry is safe because nothing a pass depends on changes before its per-request phase
+    (which catches its own errors): positions are rewritten with the same K/V, and copying a
+    block again only restores what its new owner rewrites."""
+    try:
+        execute(sched)
+        return
+    except Exception as exc:
+        if len(sched.scheduled) == 1:
+            fail(sched.scheduled[0].seq.request_id, exc)
+            return
+        log.warning("a step over %d sequences failed (%s); running each alone", len(sched.scheduled),
+                    type(exc).__name__)
+    for i, item in enumerate(sched.scheduled):
+        if item.seq.finished:
+            continue  # its request failed with another of its sequences
+        alone = SchedulerOutput([item], block_copies=sched.block_copies if i == 0 else [])
+        try:
+            execute(alone)
+        except Exception as exc:
+            fail(item.seq.request_id, exc)

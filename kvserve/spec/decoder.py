@@ -1,0 +1,210 @@
+"""SpeculativeDecoder: the engine's speculative decoding, one object the step calls.
+
+It builds the drafter chosen by EngineConfig.speculative (n-gram lookup, a separate draft model,
+or the target as its own draft) with the draft's KV pool and runner, decides how many draft
+tokens each sequence may be verified with, proposes them before the target's pass and accepts
+them after it (rejection sampling, or the argmax for plain greedy rows), and counts the drafts.
+It holds no requests: the engine appends the accepted tokens.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from kvserve.config import EngineConfig
+from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.scheduler import ScheduledSeq, SchedulerOutput
+from kvserve.engine.step_batch import sampling_request
+from kvserve.loading import LoadedModel, load_model
+from kvserve.loading.loader import build_model, resolve_dtype
+from kvserve.model.attention import KVCache
+from kvserve.model.config import LayerGroup
+from kvserve.sampling import Sampler
+from kvserve.sampling.sampler import SamplerOutput, penalizes
+from kvserve.sequence import Sequence
+from kvserve.spec.proposers import Draft, Drafter, ModelDrafter, NgramDrafter
+from kvserve.spec.rejection import accept_greedy, rejection_sample
+
+log = logging.getLogger(__name__)
+
+# (sequence, tokens to append, their logprobs or None): what a verification accepted.
+Verified = tuple[Sequence, list[int], SamplerOutput | None]
+
+
+@dataclass
+class DraftTarget:
+    """What a draft is built against: the target model, its runner (an early-exit draft runs on
+    it), its KV pool, whose block tables and layer groups a separate draft pool shares, and the
+    engine's decode-step weight packing `pack_weights(model, what)`, which a draft model gets too."""
+
+    loaded: LoadedModel
+    runner: ModelRunner
+    kv_cache: KVCache
+    layer_groups: list[LayerGroup]
+    pack_weights: Callable[[torch.nn.Module, str], None]
+
+
+class SpeculativeDecoder:
+    """Drafter, draft runner and counters; with speculation off, a decoder that never drafts."""
+
+    def __init__(self, cfg: EngineConfig, target: DraftTarget):
+        self.config = cfg
+        self.draft_runner: ModelRunner | None = None  # set when the draft has a KV pool of its own
+        self.stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+        self.drafter: Drafter | None = self._make_drafter(target)
+
+    # ---------------------------------------------------------------- construction
+    def _make_drafter(self, target: DraftTarget) -> Drafter | None:
+        """The proposer chosen by config.speculative (None when off)."""
+        cfg, mc = self.config, target.loaded.model.config
+        if cfg.speculative is None:
+            return None
+        if cfg.speculative == "ngram":
+            return NgramDrafter(cfg.num_speculative_tokens, cfg.ngram_min, cfg.ngram_max)
+        if cfg.speculative == "self":
+            return self._make_self_drafter(target)
+        draft = load_model(cfg.speculative_model, cfg.dtype, cfg.device).model
+        if draft.config.vocab_size != mc.vocab_size:
+            raise ValueError(f"speculative_model {cfg.speculative_model!r} has a vocabulary of "
+                             f"{draft.config.vocab_size} tokens; the target has {mc.vocab_size}: a draft must "
+                             "share the tokenizer")
+        return self._separate_drafter(target, draft, draft.config.num_layers, f"draft model {cfg.speculative_model}")
+
+    def _make_self_drafter(self, target: DraftTarget) -> ModelDrafter:
+        """The target as its own draft: a lower-precision copy of its weights (default bf16 for
+        an fp32 target; `self_draft_bits` 4 / 8: an RTN-quantized copy), and/or an early exit
+        after its first `self_draft_layers` layers."""
+        cfg, model = self.config, target.loaded.model
+        mc = model.config
+        target_dtype = next(model.parameters()).dtype
+        bits = cfg.self_draft_bits
+        dtype = resolve_dtype(cfg.self_draft_dtype) if cfg.self_draft_dtype else (
+            torch.bfloat16 if target_dtype == torch.float32 and not bits else target_dtype)
+        copy = dtype != target_dtype or bits is not None
+        layers = cfg.self_draft_layers or (mc.num_layers if copy else max(1, mc.num_layers // 3))
+        if layers > mc.num_layers or (layers == mc.num_layers and not copy):
+            raise ValueError(f"self_draft_layers must be below the model's {mc.num_layers} layers (or give a "
+                             f"self_draft_dtype other than the target's), got {layers}")
+        exit_at = layers if layers < mc.num_layers else None
+        if not copy:  # early exit on the target itself: its K/V for those layers are the draft's
+            log.info("self-speculative draft: early exit after %d of %d layers", layers, mc.num_layers)
+            return ModelDrafter(target.runner, num_layers=exit_at)
+        draft = build_model(mc, model.state_dict(), dtype, cfg.device, target.loaded.source)
+        what = f"{dtype}"
+        if bits:
+            # Imported here: it defers the compression toolbox, which the serving stack does not
+            # otherwise import.
+            from kvserve.quant.apply import quantize_model
+
+            quantize_model(draft, "rtn", bits=bits, group_size=128, granularity="group" if bits == 4 else "channel",
+                           sym=bits == 8, lm_head=True, progress=False)
+            what = f"RTN int{bits} of {dtype}, LM head included"
+        return self._separate_drafter(target, draft, layers,
+                                      f"self draft ({what}, {layers} of {mc.num_layers} layers)", exit_at)
+
+    def _separate_drafter(self, target: DraftTarget, draft: torch.nn.Module, num_layers: int, what: str,
+                          exit_at: int | None = None) -> ModelDrafter:
+        """A drafter with its own KV pool (num_layers layers) addressed by the target's block tables."""
+        dc, cfg, target_cache = draft.config, self.config, target.kv_cache
+        kv_dtype = next(draft.parameters()).dtype
+        heads, k_dim, v_dim = dc.kv_cache_layout
+        if target_cache.num_groups > 1:  # the self draft: the target's layers, so its layer groups too
+            cache = KVCache(dc.num_layers, target_cache.num_slots, heads, k_dim, kv_dtype, cfg.device,
+                            layer_groups=[g.layers for g in target.layer_groups], v_head_dim=v_dim,
+                            kv_source=dc.kv_source)
+        else:
+            cache = KVCache(num_layers, target_cache.num_slots, heads, k_dim, kv_dtype, cfg.device,
+                            v_head_dim=v_dim, kv_source=dc.kv_source)
+        log.info("%s: its own KV pool %.2f GiB (same block tables as the target)", what, cache.nbytes / 2**30)
+        target.pack_weights(draft, "draft")
+        self.draft_runner = ModelRunner(draft, cache, cfg.block_size, cfg.device)
+        return ModelDrafter(self.draft_runner, num_layers=exit_at, separate_cache=True)
+
+    # ---------------------------------------------------------------- per sequence
+    def attach(self, seqs: list[Sequence]) -> None:
+        """A new request's samples: with a separate draft pool, each one's draft cache starts empty
+        (a prefix hit fills it); penalized ones never draft."""
+        for s in seqs:
+            if self.draft_runner is not None and not penalizes(s.params):
+                s.num_draft_computed = 0
+
+    def budget(self, seq: Sequence, max_model_len: int) -> int:
+        """Draft tokens seq may be verified with next step: never more than it may still emit."""
+        p = seq.params
+        if self.drafter is None or penalizes(p):
+            return 0  # penalties depend on every token before a position: decode plainly
+        if len(seq.output_token_ids) < p.min_tokens:
+            return 0  # eos is masked per position until then: plain sampling handles it
+        left = max_model_len if p.max_tokens is None else p.max_tokens - len(seq.output_token_ids)
+        return max(0, min(self.config.num_speculative_tokens, left - 1))
+
+    # ---------------------------------------------------------------- per step
+    def copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
+        """The draft pool shares the target's block tables, so its copy-on-write copies too."""
+        if self.draft_runner is not None:
+            self.draft_runner.copy_blocks(block_copies, self.config.block_size)
+
+    def propose(self, sched: SchedulerOutput) -> dict[int, Draft]:
+        """Draft tokens for the scheduled decodes with reserved slots, keyed by id(item); shrinks
+        each item to what was proposed."""
+        items = [it for it in sched.scheduled if it.num_spec]
+        if not items:
+            return {}
+        drafts = self.drafter.propose([it.seq for it in items], [it.num_spec for it in items])
+        out = {}
+        for it, d in zip(items, drafts):
+            del d.token_ids[it.num_spec:]
+            it.num_spec = len(d.token_ids)
+            it.num_tokens = 1 + it.num_spec
+            out[id(it)] = d
+        return out
+
+    def verify(self, logits: torch.Tensor, spec: list[tuple[ScheduledSeq, int]], drafts: dict[int, Draft],
+               sampler: Sampler) -> list[Verified]:
+        """Rejection-sample the drafted items (`spec`: each with its first logits row)."""
+        if not spec:
+            return []
+        items = [it for it, _ in spec]
+        rows = torch.cat([torch.arange(r, r + it.num_logits) for it, r in spec]).to(logits.device)
+        target = logits[rows]
+        ds = [drafts[id(it)] for it in items]
+        res = rejection_sample(target, [d.token_ids for d in ds], [d.probs for d in ds],
+                               [it.seq.params for it in items], [it.seq.generator for it in items])
+        out, offset = [], 0
+        for it, tokens, accepted in zip(items, res.token_ids, res.num_accepted):
+            self._count_accepted(it, accepted)
+            rows_i = target[offset: offset + len(tokens)]
+            offset += it.num_logits
+            req = [sampling_request(it.seq)] * len(tokens)
+            lps = sampler.token_logprobs(rows_i, torch.tensor(tokens, device=target.device), req)
+            out.append((it.seq, tokens, lps))
+        return out
+
+    def verify_argmax(self, picked: list[int], spec: list[tuple[ScheduledSeq, int]],
+                      drafts: dict[int, Draft]) -> list[Verified]:
+        """Plain greedy drafts verified from the step's argmax tokens (`picked`, one per logit
+        row: the model's greedy screen, no logits): the same tokens as `verify`, no logprobs."""
+        out = []
+        for it, row in spec:
+            tokens = accept_greedy(drafts[id(it)].token_ids, picked[row : row + it.num_logits])
+            self._count_accepted(it, len(tokens) - 1)
+            out.append((it.seq, tokens, None))
+        return out
+
+    @staticmethod
+    def trim_draft_caches(spec: list[tuple[ScheduledSeq, int]]) -> None:
+        """After the scheduler's update: draft K/V past the accepted tokens is stale."""
+        for item, _ in spec:
+            seq = item.seq
+            if seq.num_draft_computed is not None:
+                seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
+
+    def _count_accepted(self, item: ScheduledSeq, accepted: int) -> None:
+        item.num_rejected = item.num_spec - accepted
+        st = self.stats
+        st["num_drafts"] += 1
+        st["num_draft_tokens"] += item.num_spec
+        st["num_accepted_tokens"] += accepted
