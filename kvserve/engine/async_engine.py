@@ -7,13 +7,15 @@ LLMEngine and runs `step()`; nothing else touches it. Everyone else talks to tha
 * submissions and aborts go into one command list under a condition variable; the loop drains
   it between steps (so a request added mid-step joins the next one), and sleeps on the
   condition when there is nothing to do (no busy spin);
-* each request has an asyncio.Queue on its caller's event loop, fed from the engine thread
-  with `loop.call_soon_threadsafe`;
+* each request has a mailbox on its caller's event loop, fed from the engine thread with
+  `loop.call_soon_threadsafe`; outputs arriving while one is unread merge into it, and a reader
+  too far behind (`max_unread_tokens`) has its request aborted;
 * tokenization (the one CPU-heavy thing a handler does) runs in a small thread pool, so it
   neither blocks the event loop nor waits behind a step;
 * `stats()` reads a snapshot the loop publishes after every drain and step.
 
-A failing step must not kill the loop silently: the requests it was running are failed with an
+A failing step must not kill the loop silently: the LLMEngine itself ends only the request a
+failure can be pinned on; a failure that escapes `step()` fails the requests it was running with an
 error (their blocks freed) and the loop keeps serving the others. After UNHEALTHY_AFTER failed
 steps in a row the engine is unhealthy (`healthy` False: the server's /health answers 503 and new
 requests are refused with 503) until a step succeeds again. Clients get a reference to the log
