@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.spec import NgramProposer
+from kvserve.speculative import NgramProposer
 
 
 def naive_propose(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:

@@ -16,7 +16,12 @@ import torch
 
 from kvserve.sampling import Sampler, SamplingRequest
 from kvserve.sampling_params import SamplingParams
-from kvserve.spec import SpecVerifyResult, processed_probs, rejection_sample, sample_probs
+from kvserve.speculative import (
+    SpecVerifyResult,
+    processed_probs,
+    rejection_sample,
+    sample_probs,
+)
 
 V = 6
 Verify = Callable[..., SpecVerifyResult]

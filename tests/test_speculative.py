@@ -12,7 +12,7 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.engine.block_manager import BlockManager
 from kvserve.loading.loader import default_model_path
-from kvserve.spec.proposers import Draft
+from kvserve.speculative.proposers import Draft
 from tests.conftest import WIKITEXT
 from tests.logits import all_position_logits
 

@@ -3,7 +3,7 @@
 Each step: the scheduler picks sequences and token counts within the budget, the model runner
 runs them as one flat batch, the sampler picks next tokens, the detokenizer and stop checker
 turn them into text and finish sequences, and the scheduler frees what finished. The parts it
-is built from come from kvserve/engine/builder.py; speculative decoding is kvserve/spec/decoder.py.
+is built from come from kvserve/engine/builder.py; speculative decoding is kvserve/speculative/decoder.py.
 """
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ from kvserve.model.panels import use_panel_kernels
 from kvserve.sampling import Sampler, SamplerOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.sequence import Sequence, SequenceStatus
-from kvserve.spec.decoder import DraftTarget, SpeculativeDecoder, Verified
-from kvserve.spec.proposers import Drafter
+from kvserve.speculative.decoder import DraftTarget, SpeculativeDecoder, Verified
+from kvserve.speculative.proposers import Drafter
 
 log = logging.getLogger(__name__)
 

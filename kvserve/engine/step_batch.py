@@ -16,7 +16,7 @@ from kvserve.engine.model_runner import StepInput
 from kvserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from kvserve.sampling import Sampler, SamplerOutput, SamplingRequest
 from kvserve.sequence import Sequence
-from kvserve.spec.proposers import Draft
+from kvserve.speculative.proposers import Draft
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Speculative decoding building blocks: the lossless acceptance rule and an n-gram proposer."""
 
-from kvserve.spec.ngram import NgramProposer
-from kvserve.spec.rejection import (
+from kvserve.speculative.ngram import NgramProposer
+from kvserve.speculative.rejection import (
     SpecVerifyResult,
     processed_probs,
     rejection_sample,

@@ -25,8 +25,8 @@ from kvserve.model.config import LayerGroup
 from kvserve.sampling import Sampler
 from kvserve.sampling.sampler import SamplerOutput, penalizes
 from kvserve.sequence import Sequence
-from kvserve.spec.proposers import Draft, Drafter, ModelDrafter, NgramDrafter
-from kvserve.spec.rejection import accept_greedy, rejection_sample
+from kvserve.speculative.proposers import Draft, Drafter, ModelDrafter, NgramDrafter
+from kvserve.speculative.rejection import accept_greedy, rejection_sample
 
 log = logging.getLogger(__name__)
 

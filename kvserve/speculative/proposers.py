@@ -14,14 +14,15 @@ blocks cover positions up to num_tokens - 1 + k); a proposer fills up to k of th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence as Seq
+from typing import Protocol
+from typing import Sequence as Seq
 
 import torch
 
 from kvserve.engine.model_runner import ModelRunner, StepInput
 from kvserve.sequence import Sequence
-from kvserve.spec.ngram import NgramProposer
-from kvserve.spec.rejection import processed_probs, sample_probs
+from kvserve.speculative.ngram import NgramProposer
+from kvserve.speculative.rejection import processed_probs, sample_probs
 
 
 @dataclass
