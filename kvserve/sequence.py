@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 from kvserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from kvserve.sampling.stop import IncrementalDetokenizer, StopChecker
+    from kvserve.sampling.detokenizer import IncrementalDetokenizer
+    from kvserve.sampling.stop import StopChecker
 
 
 class SequenceStatus(enum.Enum):

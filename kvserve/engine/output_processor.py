@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from kvserve.engine.metrics import RequestMetrics
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
-from kvserve.sampling.stop import IncrementalDetokenizer, StopChecker, StopResult
+from kvserve.sampling.detokenizer import IncrementalDetokenizer
+from kvserve.sampling.stop import StopChecker, StopResult
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
 from kvserve.sequence import Sequence
 

@@ -1,5 +1,6 @@
 """Token sampling, incremental detokenization and stop conditions."""
 
+from kvserve.sampling.detokenizer import IncrementalDetokenizer
 from kvserve.sampling.sampler import (
     Sampler,
     SamplerOutput,
@@ -7,7 +8,7 @@ from kvserve.sampling.sampler import (
     apply_penalties,
     filter_logits,
 )
-from kvserve.sampling.stop import IncrementalDetokenizer, StopChecker, StopResult
+from kvserve.sampling.stop import StopChecker, StopResult
 
 __all__ = [
     "IncrementalDetokenizer",
