@@ -68,6 +68,8 @@ def test_use_panel_kernels_decode_rows_take_the_kernel(monkeypatch):
     holder = nn.Sequential(lin)
     assert use_panel_kernels(holder) == 1 and type(holder[0]) is PanelLinear
     assert set(holder.state_dict()) == {"0.weight", "0.bias"}  # no new state
+    assert holder[0].weight is lin.weight and holder[0].bias is lin.bias  # the same parameters
+    lin = holder[0]
     calls = []
     real = kernels.panel_matmul
     monkeypatch.setattr(kernels, "panel_matmul", lambda *a: calls.append(a[0].shape[0]) or real(*a))

@@ -547,7 +547,7 @@ def residual_norm_rows(x: torch.Tensor, residual: torch.Tensor, eps: float, offs
     (h, norm(h)); None elsewhere or for shapes that differ."""
     if not (_cuda_float(x, residual, w1, w2) and x.shape == residual.shape):
         return None
-    from kvserve.kernels import triton_ops
+    from kvserve.kernels import triton_ops  # Triton comes with CUDA builds of torch only
 
     return triton_ops.residual_norm(x, residual, eps, offset, w1, w2)
 
@@ -563,7 +563,7 @@ def norm_rope_write_rows(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tenso
     if k is not None and not (k.stride(-1) == 1 and v.stride(-1) == 1 and k_pool.dtype == q.dtype
                               and k_pool.is_contiguous() and v_pool.is_contiguous()):
         return None
-    from kvserve.kernels import triton_ops
+    from kvserve.kernels import triton_ops  # Triton comes with CUDA builds of torch only
 
     cos, sin = cos.contiguous(), sin.contiguous()
     out = triton_ops.norm_rope(q, q_norm, cos, sin)
@@ -577,6 +577,6 @@ def gated_act_rows(gate: torch.Tensor, up: torch.Tensor, gelu_tanh: bool) -> tor
     elsewhere."""
     if not (_cuda_float(gate, up) and gate.shape == up.shape and gate.stride(-1) == 1 and up.stride(-1) == 1):
         return None
-    from kvserve.kernels import triton_ops
+    from kvserve.kernels import triton_ops  # Triton comes with CUDA builds of torch only
 
     return triton_ops.gated_act(gate, up, gelu_tanh)

@@ -84,6 +84,17 @@ class PanelLinear(nn.Linear):
 
     panels: Panels | None  # None: packed with its siblings (fused_panels), called alone only for prefill
 
+    @classmethod
+    def wrapping(cls, linear: nn.Linear, panels: Panels) -> PanelLinear:
+        """A PanelLinear holding `linear`'s own parameters (same tensors, same state_dict keys)."""
+        m = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+        m.weight = linear.weight
+        if linear.bias is not None:
+            m.bias = linear.bias
+        m.train(linear.training)
+        m.panels = panels
+        return m
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = None if self.panels is None else self.panels.matmul(x, self.bias)
         return F.linear(x, self.weight, self.bias) if y is None else y
@@ -107,21 +118,21 @@ def fused_panels(current: Panels | None, *linears: nn.Module) -> Panels | None:
 
 
 def use_panel_kernels(model: nn.Module, head_only: bool = False) -> int:
-    """Pack every fp32 CPU nn.Linear of `model` (turned into PanelLinear in place: same
-    parameters, same state_dict) and a tied LM head (`model.head_panels`, used by
+    """Pack every fp32 CPU nn.Linear of `model` (replaced in the module tree by a PanelLinear
+    holding the same parameters: same state_dict) and a tied LM head (`model.head_panels`, used by
     `compute_logits`), and gives the packed head its greedy screen (`model.greedy_head`). Returns
     how many matrices were packed: 0 without the kernel. `head_only`: the LM head alone (a
     compiled forward pass multiplies the body's weights with PyTorch's matmul)."""
     count = 0
-    for m in [getattr(model, "lm_head", None)] if head_only else model.modules():  # (None: a tied head)
+    named = [("lm_head", getattr(model, "lm_head", None))] if head_only else list(model.named_modules())
+    for name, m in named:  # (lm_head None: a tied head)
         if type(m) is PanelLinear:
             count += 1
         elif type(m) is nn.Linear:
             panels = Panels.pack(m.weight)
             if panels is None:
                 continue
-            m.__class__ = PanelLinear  # keeps the module's parameters, hooks and place in the tree
-            m.panels = panels
+            model.set_submodule(name, PanelLinear.wrapping(m, panels))
             count += 1
     # q/k/v and gate/up as one call each: the k and v matrices alone are too small to stream fast.
     for m in () if head_only else model.modules():
