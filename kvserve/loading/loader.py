@@ -140,14 +140,14 @@ def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "floa
     if not tok_file.exists():
         raise ModelLoadError(tok_file, "tokenizer.json not found")
     tokenizer = Tokenizer.from_file(tok_file, cfg.eos_token_ids, cfg.bos_token_id)
+    modules = None
     if path.is_dir() and sparse:  # an N:M-compressed folder (kvserve.prune.sparse24.save_compressed)
-        from kvserve.prune.sparse24 import load_sparse_model
+        from kvserve.prune.sparse24 import sparse_parts
 
-        net = load_sparse_model(path, cfg, torch_dtype, device)
+        sd, modules = sparse_parts(path, cfg, torch_dtype)
     elif sd is None:  # a folder written by kvserve.quant.io.save_quantized
-        from kvserve.quant.io import load_quantized_model
+        from kvserve.quant.io import quantized_parts
 
-        net = load_quantized_model(path, cfg, torch_dtype, device)
-    else:
-        net = build_model(cfg, sd, torch_dtype, device, path)
+        sd, modules = quantized_parts(path, cfg, torch_dtype)
+    net = build_model(cfg, sd, torch_dtype, device, path, modules=modules)
     return LoadedModel(net, cfg, tokenizer, path)

@@ -30,7 +30,7 @@ config.json's
 
 (compressed-tensors calls its 2:4 layout "sparse-24-bitmask"; ours is a different layout, so
 it has its own name). `load_model(DIR)` sees the `sparsity_config` and builds SparseNMLinear
-modules for the targets (`load_sparse_model`).
+modules for the targets (`sparse_parts`).
 """
 from __future__ import annotations
 
@@ -264,14 +264,13 @@ def read_sparsity_config(folder: Path) -> dict | None:
     return s
 
 
-def load_sparse_model(folder: Path, cfg, dtype: torch.dtype, device):
-    """Build the CausalLM of a folder written by save_compressed: SparseNMLinear for the targets,
-    the rest as an HF folder (called by kvserve.loading.load_model)."""
+def sparse_parts(folder: Path, cfg, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, nn.Module]]:
+    """The parts of a folder written by save_compressed: (plain tensors by name, SparseNMLinear
+    modules by name), for kvserve.loading.load_model to build the model from."""
     from safetensors import safe_open
 
     from kvserve.loading.errors import ModelLoadError
     from kvserve.loading.hf import safetensors_files
-    from kvserve.loading.loader import build_model
 
     folder = Path(folder)
     s = read_sparsity_config(folder)
@@ -299,4 +298,4 @@ def load_sparse_model(folder: Path, cfg, dtype: torch.dtype, device):
         modules[target.removeprefix("model.")] = mod
     plain = {k.removeprefix("model."): v for k, v in tensors.items()
              if not (k == "lm_head.weight" and cfg.tie_word_embeddings)}
-    return build_model(cfg, plain, dtype, device, folder, modules=modules)
+    return plain, modules

@@ -56,7 +56,7 @@ Targets are exact module names (one group per distinct grid + kernel). The `kvse
 group (an extension) records which kernel the layers ran on and its activation dtype, so the
 loaded model computes with the same kernel and rounding as the one that was saved.
 
-Loading (`load_quantized_model`, called by kvserve.loading.load_model when config.json has a
+Loading (`quantized_parts`, called by kvserve.loading.load_model when config.json has a
 `quantization_config`): the model is built on the meta device, each target linear is replaced by
 a QuantLinear rebuilt from its codes (`QuantLinear.from_quantized`; the int4 kernel's tiled
 layout is re-derived there), the remaining tensors are adopted as in an HF folder. Weights are
@@ -373,11 +373,10 @@ def _load_layer(tensors: _Tensors, name: str, spec: QuantSpec, kernel: str, act_
     return layer
 
 
-def load_quantized_model(folder: Path, cfg, dtype: torch.dtype, device: torch.device | str):
-    """Build the CausalLM of an HF-style folder written by save_quantized (see the module
-    docstring): QuantLinear layers from the packed tensors, the rest as an HF folder."""
-    from kvserve.loading.loader import build_model
-
+def quantized_parts(folder: Path, cfg, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, nn.Module]]:
+    """The parts of an HF-style folder written by save_quantized (see the module docstring):
+    (plain tensors by name, QuantLinear / QuantEmbedding modules by name), for
+    kvserve.loading.load_model to build the model from."""
     folder = Path(folder)
     cfg_path = folder / "config.json"
     q = read_quantization_config(folder)
@@ -412,4 +411,4 @@ def load_quantized_model(folder: Path, cfg, dtype: torch.dtype, device: torch.de
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         plain[name] = tensors.get(key, file_hint)
-    return build_model(cfg, plain, dtype, device, folder, modules=modules)
+    return plain, modules
