@@ -13,3 +13,13 @@ def positive_int(text: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
     return v
+
+
+def positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not v > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return v

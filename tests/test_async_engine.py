@@ -10,9 +10,9 @@ import time
 import pytest
 
 from kvserve import LLM, SamplingParams
-from kvserve.sampling_params import RequestOutputKind
 from kvserve.engine.async_engine import AsyncLLMEngine, RequestError
 from kvserve.loading import load_model
+from kvserve.sampling_params import RequestOutputKind
 from tests.server_harness import make_engine
 from tests.tiny_models import make_model
 
@@ -26,9 +26,9 @@ def tiny_llama(tmp_path_factory):
     return load_model(folder)
 
 
-def _run(tiny_llama, body, **config):
+def _run(tiny_llama, body, async_args: dict | None = None, **config):
     """Run `body(async_engine)` on a fresh engine; return its result and the async engine."""
-    engine = AsyncLLMEngine(make_engine(tiny_llama, kv_cache_gib=0.01, **config))
+    engine = AsyncLLMEngine(make_engine(tiny_llama, kv_cache_gib=0.01, **config), **(async_args or {}))
 
     async def main():
         engine.start()
@@ -216,16 +216,7 @@ def test_a_reader_too_far_behind_is_aborted(tiny_llama):
             await _drain(stream)
         return freed, e.value, engine.engine.stats()
 
-    engine = AsyncLLMEngine(make_engine(tiny_llama, kv_cache_gib=0.01), max_unread_tokens=8)
-
-    async def main():
-        engine.start()
-        try:
-            return await body(engine)
-        finally:
-            await engine.shutdown()
-
-    freed, err, stats = asyncio.run(main())
+    (freed, err, stats), engine = _run(tiny_llama, body, async_args={"max_unread_tokens": 8})
     assert freed, stats
     assert err.status == 408 and "backlog" in str(err)
     assert engine.loop_iterations < 100  # given up after a few steps, not after 400

@@ -10,19 +10,9 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from kvserve.analysis import roofline as rl
-from kvserve.argtypes import positive_int
+from kvserve.argtypes import positive_float, positive_int
 
 PLOTS = ("roofline_latency_throughput.png", "roofline_memory_vs_batch.png", "roofline_kv_variants.png")
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {v}")
-    return v
 
 
 def _batches(text: str) -> list[int]:
@@ -49,7 +39,7 @@ def add_roofline_parser(sub) -> None:
     p.add_argument("--kv-heads", type=positive_int, default=None, help="override the KV head count (GQA/MQA what-if)")
     p.add_argument("--share-kv-every", type=positive_int, default=None, metavar="N",
                    help="cross-layer KV sharing what-if: runs of N same-type layers cache one K/V")
-    p.add_argument("--dtype-bytes", type=_positive_float, default=None,
+    p.add_argument("--dtype-bytes", type=positive_float, default=None,
                    help="bytes per weight/activation (default 2 = bf16; 4 = fp32 with --measure, as the CPU engine runs)")
     p.add_argument("--plot", default=None, metavar="DIR", help=f"write {', '.join(PLOTS)} here")
     p.add_argument("--json", default=None, metavar="PATH", help="write every number here")

@@ -40,9 +40,9 @@ from pathlib import Path
 import torch
 
 from kvserve import LLM, SamplingParams
+from kvserve.argtypes import positive_float, positive_int
 from kvserve.bench.latency import decode_bytes_per_token, read_bandwidth_gbs
 from kvserve.bench.throughput import INPUT_RANGE, OUTPUT_RANGE, make_workload
-from kvserve.argtypes import positive_int
 from kvserve.loading import load_model
 
 # Llama 3.2 1B's shapes (tied embeddings), for the synthetic model.
@@ -447,16 +447,6 @@ def run(args) -> dict:
     out["ok"] = all(m.ok for m in models.values())
     save(out, args.json_dir, args.device)
     return out
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:

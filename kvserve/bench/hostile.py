@@ -227,7 +227,6 @@ def _slow_headers(host: str, port: int, seconds: float) -> None:
             time.sleep(0.05)
 
 
-
 @dataclass
 class HostileReport:
     statuses: dict[str, int] = field(default_factory=dict)  # status code -> answers

@@ -28,14 +28,13 @@ import collections
 import dataclasses
 import logging
 import threading
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.metrics import RequestMetrics
-from kvserve.engine.outputs import CompletionOutput, RequestOutput
+from kvserve.engine.outputs import CompletionOutput, RequestOutput, error_reference
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -43,11 +42,6 @@ UNHEALTHY_AFTER = 3  # failed steps in a row before the engine reports itself un
 # Tokens of one sample a stream's reader may leave unread before the request is aborted. A
 # reader that keeps up holds at most a step's worth (plus what socket buffers absorb first).
 DEFAULT_MAX_UNREAD_TOKENS = 512
-
-
-def _reference() -> str:
-    """A short id tying an error a client sees to its log entry."""
-    return uuid.uuid4().hex[:12]
 
 
 class RequestError(Exception):
@@ -230,7 +224,8 @@ class AsyncLLMEngine:
                  observer: OutputObserver | None = None, max_unread_tokens: int | None = DEFAULT_MAX_UNREAD_TOKENS):
         """`max_unread_tokens`: a consumer that leaves more than this many tokens of one sample
         unread has its request aborted (None: never; the output kept unread is still one)."""
-        if max_unread_tokens is not None and (isinstance(max_unread_tokens, bool) or max_unread_tokens < 1):
+        if max_unread_tokens is not None and (isinstance(max_unread_tokens, bool) or not isinstance(max_unread_tokens, int)
+                                              or max_unread_tokens < 1):
             raise ValueError(f"max_unread_tokens must be >= 1 or None, got {max_unread_tokens!r}")
         self.engine = engine
         self.max_unread_tokens = max_unread_tokens
@@ -405,7 +400,7 @@ class AsyncLLMEngine:
         except ValueError as e:
             self._fail(s, RequestError(str(e), 400))
         except Exception:  # a bug, not bad input: say so (the details in the log), keep serving
-            ref = _reference()
+            ref = error_reference()
             log.exception("add_request %s failed [%s]", s.request_id, ref)
             self._fail(s, RequestError(f"internal engine error while adding the request (log reference {ref})", 500))
 
@@ -439,7 +434,7 @@ class AsyncLLMEngine:
         """Fail the requests the step was running; if steps keep failing, fail everything
         (the culprit may be a request still waiting to be admitted)."""
         self._consecutive_failures += 1
-        ref = _reference()
+        ref = error_reference()
         log.exception("engine step failed (%d in a row) [%s]", self._consecutive_failures, ref, exc_info=exc)
         if not self.healthy:
             log.error("engine unhealthy after %d failed steps in a row: new requests get 503", UNHEALTHY_AFTER)

@@ -11,7 +11,6 @@ import functools
 import itertools
 import logging
 import time
-import uuid
 
 import torch
 
@@ -20,7 +19,7 @@ from kvserve.engine import builder, input_processor, step_batch
 from kvserve.engine.metrics import RequestMetrics
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.output_processor import OutputProcessor, RequestState
-from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.outputs import RequestOutput, error_reference
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.loading import LoadedModel
 from kvserve.model.panels import use_panel_kernels
@@ -199,7 +198,7 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is None or req.finished:
             return
-        ref = uuid.uuid4().hex[:12]
+        ref = error_reference()
         log.error("request %s failed in the engine [%s]", request_id, ref, exc_info=exc)
         req.error = f"internal engine error (log reference {ref})"
         req.error_status = 500

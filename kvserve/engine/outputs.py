@@ -1,9 +1,15 @@
 """What the engine hands back: one RequestOutput per request per step that changed it."""
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 
 from kvserve.engine.metrics import RequestMetrics
+
+
+def error_reference() -> str:
+    """A short id tying an error a client sees to its log entry (never the exception's text)."""
+    return uuid.uuid4().hex[:12]
 
 
 @dataclass

@@ -33,6 +33,7 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
+from kvserve.eval.windows import NO_SLOTS
 from kvserve.loading import LoadedModel, load_model
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.streaming import CacheSize, StreamingAttention, StreamPolicy, layer_policies
@@ -42,7 +43,6 @@ log = logging.getLogger(__name__)
 
 METHODS = ("full", "window", "sinks", "recompute", "recompute-bos")
 DEFAULT_METHODS = METHODS[:4]
-_NO_SLOTS = torch.empty(0, dtype=torch.long)  # the custom attention never touches the paged pool
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ def subsample_targets(num_tokens: int, k: int) -> torch.Tensor:
 def forward_chunk(model, attention: StreamingAttention, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """ids, positions [T] (positions continue the stream `attention` has seen) -> hidden [T, hidden]."""
     attention.begin(positions)
-    return model(ids, positions, None, AttentionMetadata(slot_mapping=_NO_SLOTS, seqs=[], custom=attention))
+    return model(ids, positions, None, AttentionMetadata(slot_mapping=NO_SLOTS, seqs=[], custom=attention))
 
 
 def token_nll(model, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -202,8 +202,8 @@ def run_decode_plan(model: nn.Module, input_ids: torch.Tensor, positions: torch.
                     meta: AttentionMetadata) -> torch.Tensor | None:
     """A step's final hidden states [1, hidden] through the model's plan (embedding, every layer
     in one C call, final norm), or None where no plan applies (the caller runs the model)."""
-    if input_ids.shape[0] != 1:
-        return None
+    if input_ids.shape[0] != 1 or _PLANS.get(model, {}).get(kv_cache, True) is None:
+        return None  # not one row, or a model already found without a plan (kept None by plan_for)
     h = model.embed(input_ids)
     if not DecodePlan.applies(h, meta):
         return None

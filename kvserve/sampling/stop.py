@@ -79,6 +79,8 @@ class StopMatcher:
         """Advance over `text`: (new state, index in `text` just past the first stop string that
         ends in it, that stop string), or (state, -1, None). The longest wins among stops ending
         at the same place. With `report` False matches are passed over (min_tokens not reached)."""
+        if not self.stops:  # the common request: nothing to scan on the per-token path
+            return state, -1, None
         for i, ch in enumerate(text):
             state = self._next(state, ch)
             if report and self._match[state] is not None:
