@@ -7,8 +7,11 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 
 # The datasets the tests and benchmarks read (WikiText-2 under wikitext2/); the product finds
-# them through this variable only.
-KVSERVE_DATA ?= $(abspath ../shared/data)
+# them through this variable only. Default: shared/data beside this checkout, or beside the
+# repository it was cloned from (a scratch clone elsewhere), whichever exists.
+ORIGIN := $(shell git config --get remote.origin.url 2>/dev/null)
+KVSERVE_DATA ?= $(firstword $(wildcard $(abspath ../shared/data) $(if $(ORIGIN),$(abspath $(ORIGIN)/../shared/data))) \
+                $(abspath ../shared/data))
 
 .PHONY: serve run test venv system-deps clean bench
 
