@@ -72,11 +72,6 @@ def hash_block(parent: BlockHash, tokens: tuple[int, ...], extra_keys: tuple = (
     return h.digest()
 
 
-def extra_keys_of(seq: Sequence) -> tuple:
-    """The request's extra hash keys (`Sequence.cache_salt`)."""
-    return seq.cache_salt
-
-
 def _num_registrable(seq: Sequence) -> int:
     """Leading tokens whose K/V every cache holds (a draft model's pool may lag the target's):
     only blocks within them may be registered, so a hit finds both caches filled. It is also
@@ -261,7 +256,7 @@ class BlockManager:
     def _hashes(self, seq: Sequence, num_full_blocks: int) -> list[BlockHash]:
         """Chained hashes of seq's first `num_full_blocks` blocks (memoized: tokens only grow)."""
         st = self._state(seq)
-        extra = extra_keys_of(seq)
+        extra = seq.cache_salt
         while len(st.hashes) < num_full_blocks:
             parent = st.hashes[-1] if st.hashes else _ROOT_HASH
             st.hashes.append(hash_block(parent, self._block_tokens(seq, len(st.hashes)), extra))
@@ -274,7 +269,7 @@ class BlockManager:
         """page(g, i): group g's cached page for seq's logical block i, or None (memoized).
         `verify`: check the stored tokens, parent hash and extra keys too (a hit), not only
         the hash (a cheap guess, where a collision could only cost time)."""
-        extra = extra_keys_of(seq)
+        extra = seq.cache_salt
         memo: dict[tuple[int, int], int | None] = {}
 
         def page(g: int, i: int) -> int | None:
@@ -560,7 +555,7 @@ class BlockManager:
         if num_full <= st.num_registered:
             return
         hashes = self._hashes(seq, num_full)
-        extra = extra_keys_of(seq)
+        extra = seq.cache_salt
         for g, table in enumerate(self.tables(seq)):
             cached = self._hash_to_block[g]
             for i in range(st.num_registered, num_full):
@@ -780,7 +775,7 @@ class BlockManager:
                 want = range(st.num_registered, max(st.num_registered, stop))
                 assert st.inflight == want, f"seq {s.seq_id}: in-flight blocks {st.inflight}, expected {want}"
                 # Recompute the chain instead of trusting the memoized hashes.
-                h, extra = _ROOT_HASH, extra_keys_of(s)
+                h, extra = _ROOT_HASH, s.cache_salt
                 for i in range(want.stop):
                     h = hash_block(h, self._block_tokens(s, i), extra)
                     if i not in want:
