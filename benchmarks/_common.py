@@ -12,8 +12,8 @@ from typing import Callable
 
 import torch
 
-from kvserve.bench.latency import read_bandwidth_gbs  # noqa: F401  (re-exported for the scripts)
 from kvserve.paths import WIKITEXT2_TEST, wikitext2_file
+from kvserve.tools.bench.latency import read_bandwidth_gbs  # noqa: F401  (re-exported for the scripts)
 
 ROOT = Path(__file__).resolve().parents[1]
 

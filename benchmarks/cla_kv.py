@@ -7,7 +7,7 @@ every 3 (copied). Per variant:
     token of every stored layer), and for a fixed --capacity-gib with sliding-window release on:
     pages and 2048-token sequences at their peak;
   * WikiText-2 raw test PPL, KL(original || variant) and top-1 agreement (seqlen 512,
-    --max-windows windows, BOS first; kvserve.eval.ppl.evaluate, the quantization-table protocol);
+    --max-windows windows, BOS first; kvserve.tools.eval.ppl.evaluate, the quantization-table protocol);
   * batching throughput with a small pool (--throughput-gib) so memory bounds the batch, the
     variants interleaved for --rounds (`kvserve bench throughput`'s workload and runner).
 --save-dir writes each converted model (for `kvserve distill --student`).
@@ -51,11 +51,11 @@ def main() -> None:
     ap.add_argument("--json-dir", default=None)
     args = ap.parse_args()
 
-    from kvserve.bench.throughput import make_workload, run_kvserve
-    from kvserve.convert.cla import share_kv
-    from kvserve.eval.ppl import dataset_path, evaluate, tokenize_file
+    from kvserve.compress.convert.cla import share_kv
     from kvserve.loading import load_model
     from kvserve.loading.save import save_model
+    from kvserve.tools.bench.throughput import make_workload, run_kvserve
+    from kvserve.tools.eval.ppl import dataset_path, evaluate, tokenize_file
 
     print(f"machine: {machine()}", flush=True)
     base = load_model(None)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 
 import torch
-
 from _common import machine, median, read_bandwidth_gbs, save_json, timed
 
 PROMPT = "The history of the printing press begins"

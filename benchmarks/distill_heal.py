@@ -2,7 +2,7 @@
 
 The student is the bundled Gemma with decoder blocks --drop removed (edited in memory, written
 with save_model and read back so the block indices are renumbered); it is trained with
-kvserve.train.distill (the code behind `kvserve distill`) on WikiText-2 wiki.valid.tokens and
+kvserve.compress.train.distill (the code behind `kvserve distill`) on WikiText-2 wiki.valid.tokens and
 evaluated on WikiText-2 raw test (seqlen 512, --eval-windows windows, BOS first) before and after,
 with its KL to the teacher and top-1 agreement in the same pass.
 
@@ -19,9 +19,14 @@ from pathlib import Path
 
 import torch
 
+from kvserve.compress.train.distill import (
+    CHECKPOINT,
+    DistillOptions,
+    _evaluate,
+    distill,
+)
 from kvserve.loading import load_model
 from kvserve.loading.save import save_model
-from kvserve.train.distill import CHECKPOINT, DistillOptions, _evaluate, distill
 
 
 def drop_blocks(loaded, drop: list[int]):
@@ -36,8 +41,8 @@ def drop_blocks(loaded, drop: list[int]):
 
 
 def eval_checkpoint(teacher, student, ckpt: Path, args) -> None:
-    """PPL / KL of the student with the parameters of checkpoint `ckpt` (written by kvserve.train.loop)."""
-    from kvserve.eval.ppl import dataset_path, tokenize_file
+    """PPL / KL of the student with the parameters of checkpoint `ckpt` (written by kvserve.compress.train.loop)."""
+    from kvserve.tools.eval.ppl import dataset_path, tokenize_file
 
     state = torch.load(ckpt, map_location="cpu", weights_only=False)
     params = dict(student.model.named_parameters())
@@ -94,8 +99,8 @@ def main() -> None:
     t0 = time.perf_counter()
     info = distill(teacher, student, work / "healed", opts, progress=False)
     if args.skip_before and args.eval_windows:
-        from kvserve.eval.ppl import dataset_path, tokenize_file
-        from kvserve.train.distill import _evaluate
+        from kvserve.compress.train.distill import _evaluate
+        from kvserve.tools.eval.ppl import dataset_path, tokenize_file
 
         ids = tokenize_file(student.tokenizer, dataset_path())
         info["after"] = _evaluate(student, teacher, ids, dataclasses.replace(opts, eval_windows=args.eval_windows),

@@ -5,7 +5,7 @@ while the attacks run.
     cd benchmarks && ../.venv/bin/python hostile_before_after.py --before-rev REV --json-dir results
 
 The older revision runs from a `git worktree` of REV, the newer from this checkout; the client
-(kvserve.bench.hostile) is this checkout's for both. The 64 prompts x n 128 request is left out
+(kvserve.tools.bench.hostile) is this checkout's for both. The 64 prompts x n 128 request is left out
 (`amplify=False`): a server without a cap on sequences per request would answer it with ~9 GB of
 logits for Gemma's 262k vocabulary, more than this benchmark should ask of the machine.
 """
@@ -26,7 +26,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import ROOT, machine, save_json  # noqa: E402
 
-from kvserve.bench.hostile import run_attack  # noqa: E402
+from kvserve.tools.bench.hostile import run_attack  # noqa: E402
 
 
 def start_server(tree: Path, port: int, log: Path) -> subprocess.Popen:

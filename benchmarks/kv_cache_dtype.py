@@ -18,7 +18,6 @@ import argparse
 import statistics
 
 import torch
-
 from _common import machine, save_json, wikitext2_test
 
 DTYPES = ("auto", "int8", "fp8")
@@ -40,7 +39,7 @@ def window_logits(loaded, ids: list[int], kv_dtype: str) -> torch.Tensor:
 
 
 def accuracy(loaded, windows: int) -> dict:
-    from kvserve.eval.stream import load_token_stream
+    from kvserve.tools.eval.stream import load_token_stream
 
     stream = load_token_stream(loaded.tokenizer, wikitext2_test(), 1024 * windows, None).tolist()
     bos = loaded.config.bos_token_id
@@ -74,7 +73,7 @@ def capacity(loaded, gib: float) -> dict:
 
 
 def throughput(loaded, num_prompts: int, gib: float, rounds: int) -> dict:
-    from kvserve.bench.throughput import make_workload, run_kvserve
+    from kvserve.tools.bench.throughput import make_workload, run_kvserve
 
     wl = make_workload(num_prompts, (256, 512), (64, 128), loaded.config.vocab_size, loaded.config.bos_token_id, 0)
     runs = {d: [] for d in DTYPES}

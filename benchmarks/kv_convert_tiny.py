@@ -14,7 +14,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-
 from _common import machine, save_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -28,8 +27,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from kvserve import LLM
-    from kvserve.convert import pool_kv_heads
-    from kvserve.convert.cla import share_kv
+    from kvserve.compress.convert import pool_kv_heads
+    from kvserve.compress.convert.cla import share_kv
     from kvserve.loading import load_model
     from kvserve.loading.save import save_model
     from tests.logits import all_position_logits

@@ -17,10 +17,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvserve import LLM  # noqa: E402
-from kvserve.analysis import roofline as rl  # noqa: E402
-from kvserve.analysis.presets import MODELS, shape_from_hf_config  # noqa: E402
 from kvserve.engine.model_runner import ModelRunner, StepInput  # noqa: E402
 from kvserve.model.attention import KVCache  # noqa: E402
+from kvserve.tools.analysis import roofline as rl  # noqa: E402
+from kvserve.tools.analysis.presets import MODELS, shape_from_hf_config  # noqa: E402
 from tests.tiny_models import make_model  # noqa: E402
 
 SEQ = 2048

@@ -14,7 +14,7 @@ of WikiText-2 wiki.valid.tokens) and every variant is cut from the same scores:
 (each width variant is ~70% of the non-embedding parameters). Per model:
   * non-embedding and total parameters
   * WikiText-2 raw test PPL, KL(fp32 || pruned) and top-1 agreement (seqlen 512, --max-windows
-    windows, BOS first; one pass with the reference, kvserve.eval.ppl.evaluate)
+    windows, BOS first; one pass with the reference, kvserve.tools.eval.ppl.evaluate)
   * batch-1 greedy decode tok/s through the engine (LLM(loaded=...)), --new-tokens tokens,
     interleaved rounds (every model once per round, a new prompt each round), median.
 With --save-dir each pruned model is written as a model folder (save_model) for later healing.
@@ -34,11 +34,11 @@ from _common import machine, save_json
 from quant_rtn import PROMPTS
 
 from kvserve import LLM, SamplingParams
-from kvserve.eval.ppl import dataset_path, evaluate, tokenize_file
+from kvserve.compress.prune.importance import compute_importance
+from kvserve.compress.prune.structured import count_params, structured_prune
 from kvserve.loading import load_model
 from kvserve.loading.save import save_model
-from kvserve.prune.importance import compute_importance
-from kvserve.prune.structured import count_params, structured_prune
+from kvserve.tools.eval.ppl import dataset_path, evaluate, tokenize_file
 
 VARIANTS = {
     "width-ffn": dict(ffn_keep=0.6),
@@ -65,7 +65,7 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--criterion", default="activation", choices=("activation", "contribution"),
-                    help="how heads / neurons are ranked (kvserve/prune/importance.py)")
+                    help="how heads / neurons are ranked (kvserve/compress/prune/importance.py)")
     ap.add_argument("--skip-ppl", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--save-dir", default=None)
@@ -77,7 +77,7 @@ def main() -> int:
         raise SystemExit(f"--variants: choose from {', '.join(VARIANTS)}, got {unknown}")
     print(machine(), flush=True)
 
-    from kvserve.quant.calibrate import load_calibration
+    from kvserve.compress.quant.calibrate import load_calibration
 
     base = load_model()
     cfg = base.config

@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 from _common import machine
 
-from kvserve.eval.ppl import dataset_path, kl_divergence, tokenize_file
+from kvserve.compress.prune import prune_model
+from kvserve.compress.quant.calibrate import load_calibration
 from kvserve.loading import load_model
-from kvserve.prune import prune_model
-from kvserve.quant.calibrate import load_calibration
+from kvserve.tools.eval.ppl import dataset_path, kl_divergence, tokenize_file
 
 ALL = [f"{m}-{p}" for m in ("magnitude", "wanda", "sparsegpt") for p in ("50", "2:4", "4:8")]
 

@@ -20,10 +20,15 @@ import torch
 from _common import machine, save_json
 from quant_rtn import decode_read_bytes
 
-from kvserve.eval.ppl import dataset_path, kl_divergence, perplexity, tokenize_file
+from kvserve.compress.quant import model_weight_bytes, quantize_model
+from kvserve.compress.quant.calibrate import load_calibration
 from kvserve.loading import load_model
-from kvserve.quant import model_weight_bytes, quantize_model
-from kvserve.quant.calibrate import load_calibration
+from kvserve.tools.eval.ppl import (
+    dataset_path,
+    kl_divergence,
+    perplexity,
+    tokenize_file,
+)
 
 METHODS = ("rtn", "gptq", "awq")
 

@@ -10,7 +10,7 @@ Transformer-block linears are quantized; the embedding lookup stays fp32.
 Per configuration:
   * WikiText-2 raw test PPL (BOS + seqlen-1 text tokens per window, non-overlapping,
     --max-windows windows) and KL(fp32 || quantized) of the next-token distribution, from one
-    pass over the same windows (kvserve.eval.ppl.kl_divergence).
+    pass over the same windows (kvserve.tools.eval.ppl.kl_divergence).
   * resident weight bytes and weight bytes read per decode token (the embedding table is read a
     row at a time once the head is a separate quantized module).
   * batch-1 greedy decode tok/s through the engine (LLM(loaded=...)), interleaved rounds (every
@@ -31,9 +31,14 @@ import torch
 from _common import machine, save_json
 
 from kvserve import LLM, SamplingParams
-from kvserve.eval.ppl import dataset_path, kl_divergence, perplexity, tokenize_file
+from kvserve.compress.quant import model_weight_bytes, quantize_model
 from kvserve.loading import LoadedModel, load_model
-from kvserve.quant import model_weight_bytes, quantize_model
+from kvserve.tools.eval.ppl import (
+    dataset_path,
+    kl_divergence,
+    perplexity,
+    tokenize_file,
+)
 
 CONFIGS = {
     "fp32": None,

@@ -36,10 +36,10 @@ from quant_w8a8 import apply as apply_w8a8
 from quant_w8a8 import calibration as w8a8_calibration
 
 from kvserve import LLM, SamplingParams
-from kvserve.eval.ppl import dataset_path, evaluate, tokenize_file
+from kvserve.compress.quant import model_weight_bytes, quantize_model
 from kvserve.loading import LoadedModel, load_model
-from kvserve.quant import model_weight_bytes, quantize_model
-from kvserve.quant.embedding import QuantEmbedding
+from kvserve.tools.eval.ppl import dataset_path, evaluate, tokenize_file
+from kvserve.weights.embedding import QuantEmbedding
 
 RTN = {"rtn-int8": dict(bits=8, sym=True, granularity="channel"),
        "rtn-int4-g128": dict(bits=4, group_size=128),
@@ -125,7 +125,7 @@ def main() -> int:
 
     def amax():
         if not amax_cache:
-            from kvserve.quant.smoothquant import collect_act_absmax
+            from kvserve.compress.quant.smoothquant import collect_act_absmax
             amax_cache.append(collect_act_absmax(base.model, w8a8_calibration(base.tokenizer, base.config.bos_token_id,
                                                                                16, 512)))
         return amax_cache[0]

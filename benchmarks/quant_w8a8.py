@@ -15,7 +15,7 @@ SmoothQuant statistics: per-channel max |x| of each linear's input over --calib-
 windows of --calib-seqlen tokens of WikiText-2 wiki.valid.tokens (seed 0), with forward hooks.
 
 Per configuration: WikiText-2 raw test PPL over --max-windows windows of --seqlen tokens (BOS per
-window), with KL(fp32 || config) and top-1 agreement in the same pass (kvserve.eval.ppl); weight MB.
+window), with KL(fp32 || config) and top-1 agreement in the same pass (kvserve.tools.eval.ppl); weight MB.
 
 Round trip (--roundtrip): RTN int4 asym g128 of the blocks, save_quantized to a folder, load it in
 a fresh process (timed), compare its logits on a prompt with the in-memory model's, bitwise.
@@ -37,11 +37,15 @@ from pathlib import Path
 import torch
 from _common import ROOT, machine, save_json
 
-from kvserve.eval.ppl import dataset_path, evaluate, tokenize_file
+from kvserve.compress.quant import model_weight_bytes, quantize_model
+from kvserve.compress.quant.llm_int8 import llm_int8_model, outlier_report
+from kvserve.compress.quant.smoothquant import (
+    collect_act_absmax,
+    smoothquant_model,
+    w8a8_model,
+)
 from kvserve.loading import load_model
-from kvserve.quant import model_weight_bytes, quantize_model
-from kvserve.quant.llm_int8 import llm_int8_model, outlier_report
-from kvserve.quant.smoothquant import collect_act_absmax, smoothquant_model, w8a8_model
+from kvserve.tools.eval.ppl import dataset_path, evaluate, tokenize_file
 
 CONFIGS = ["naive-w8a8", "sq-w8a8", "sq-w8a8-tensor", "w8a8-token", "absmax-int8", "vectorwise-int8", "llm-int8"]
 PROMPT_IDS = [2, 818, 5279, 529, 506, 11617, 20635, 563, 236764, 1041, 532, 1603]
@@ -93,7 +97,7 @@ def roundtrip(base) -> dict:
     m = copy.deepcopy(base.model, memo={id(emb): emb})
     quantize_model(m, "rtn", bits=4, group_size=128, progress=False)
     from kvserve.loading import LoadedModel
-    from kvserve.quant.io import save_quantized
+    from kvserve.loading.quantized import save_quantized
 
     sys.path.insert(0, str(ROOT))
     from tests.logits import all_position_logits
@@ -116,7 +120,9 @@ def roundtrip(base) -> dict:
             raise SystemExit(proc.stderr[-3000:])
         got = torch.load(res)
     from kvserve.loading.cache import entry_dir
-    from kvserve.loading.loader import default_model_path  # the fp32 cache folder, for comparison
+    from kvserve.loading.loader import (
+        default_model_path,  # the fp32 cache folder, for comparison
+    )
     fp32_file = entry_dir("gguf", default_model_path()) / "model.safetensors"
     return {"save_s": save_s, "files": files, "weights_bytes": files.get("model.safetensors"),
             "fp32_weights_bytes": fp32_file.stat().st_size if fp32_file.exists() else None,

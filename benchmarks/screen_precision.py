@@ -22,25 +22,25 @@ from __future__ import annotations
 import argparse
 
 import torch
-from _common import wikitext2_test, save_json
+from _common import save_json, wikitext2_test
 
 from kvserve import LLM, SamplingParams
-from kvserve.bench.throughput import make_workload
 from kvserve.cli import positive_int
+from kvserve.engine import model_runner
 from kvserve.loading import load_model
-from kvserve.model.base import CausalLM
+from kvserve.tools.bench.throughput import make_workload
 
 
 def capture_hidden(loaded) -> torch.Tensor:
     """Final hidden states [rows, 640] of greedy rows: random-token and WikiText-2 prompts."""
     rows: list[torch.Tensor] = []
-    original = CausalLM.greedy_tokens
+    original = model_runner.greedy_tokens
 
-    def keep(self, hidden):
+    def keep(model, hidden):
         rows.append(hidden.clone())
-        return original(self, hidden)
+        return original(model, hidden)
 
-    CausalLM.greedy_tokens = keep
+    model_runner.greedy_tokens = keep
     try:
         cfg = loaded.config
         llm = LLM(loaded=loaded, max_num_seqs=16, enable_prefix_caching=False)
@@ -50,7 +50,7 @@ def capture_hidden(loaded) -> torch.Tensor:
         llm.generate([text[i:i + 1500] for i in range(0, 15000, 1500)],
                      SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     finally:
-        CausalLM.greedy_tokens = original
+        model_runner.greedy_tokens = original
     return torch.cat(rows)
 
 

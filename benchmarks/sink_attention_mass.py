@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 
 import torch
-
 from _common import save_json
 
 
@@ -57,9 +56,9 @@ def main() -> None:
     ap.add_argument("--json-dir", default=None)
     args = ap.parse_args()
 
-    from kvserve.eval.stream import default_data_path, load_token_stream
     from kvserve.loading import load_model
     from kvserve.model.attention import AttentionMetadata
+    from kvserve.tools.eval.stream import default_data_path, load_token_stream
 
     loaded = load_model()
     cfg = loaded.config

@@ -45,8 +45,8 @@ def held_after(mc, groups, num_tokens: int, block_size: int) -> tuple[int, int]:
     """(peak, final) blocks one sequence holds when its num_tokens tokens are computed in
     chunks of BUDGET (prefill), the last token alone (a decode)."""
     from kvserve.engine.block_manager import BlockManager
-    from kvserve.sequence import Sequence
     from kvserve.sampling_params import SamplingParams
+    from kvserve.sequence import Sequence
 
     bm = BlockManager(10**6, block_size, enable_prefix_caching=False, group_windows=[g.window for g in groups])
     seq = Sequence(0, "r", list(range(num_tokens)), SamplingParams(max_tokens=1), 0.0)

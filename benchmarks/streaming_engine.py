@@ -40,8 +40,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from kvserve import LLM, SamplingParams
-    from kvserve.eval.stream import load_token_stream
     from kvserve.loading import load_model
+    from kvserve.tools.eval.stream import load_token_stream
 
     loaded = load_model(None)
     mc = loaded.config

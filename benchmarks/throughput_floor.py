@@ -5,7 +5,7 @@ workload of `kvserve bench throughput` has ~2 of for every output token. This sc
 cannot avoid, whatever the implementation (every prompt and generated row through the body, the last
 layer's K/V only for prompt rows that need no logits, attention over each row's causal / sliding
 window, one logit row per output token over the whole vocabulary), and divides it by peaks measured
-here (the counting: kvserve/analysis/floor.py): fp32 FMAs and int16 multiply-adds (what the greedy screen runs) from benchmarks/peak.c
+here (the counting: kvserve/tools/analysis/floor.py): fp32 FMAs and int16 multiply-adds (what the greedy screen runs) from benchmarks/peak.c
 with every thread busy, and read bandwidth (a sum over a 1 GiB tensor). Each part's time is the larger
 of its arithmetic and its bytes; the floor is their sum, so it is optimistic: no glue, no
 elementwise work, perfect overlap within a part. With `--run` it then runs the workload in the same
@@ -25,10 +25,16 @@ from pathlib import Path
 from _common import machine, read_bandwidth_gbs, save_json
 
 from kvserve import kernels
-from kvserve.analysis.floor import count_work, floor_seconds
 from kvserve.argtypes import positive_int
-from kvserve.bench.throughput import INPUT_RANGE, OUTPUT_RANGE, make_workload, run_kvserve
 from kvserve.loading import load_model
+from kvserve.tools.analysis.floor import count_work, floor_seconds
+from kvserve.tools.bench.throughput import (
+    INPUT_RANGE,
+    OUTPUT_RANGE,
+    make_workload,
+    run_kvserve,
+)
+
 
 def _peak_library() -> ctypes.CDLL:
     lib = kernels.load_source(Path(__file__).with_name("peak.c"))  # the kernels' flags, cached

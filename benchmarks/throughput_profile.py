@@ -6,7 +6,7 @@ wrapper of a C kernel (kvserve/kernels) is timed where the model calls it; the b
 matmuls are split by rows (1, 2-15, 16+), the LM head's (rows the greedy screen left unsettled)
 apart. What the timers leave out of the runner's total is Python and PyTorch glue (embedding,
 RoPE tables, index ops, the per-layer calls). A batch-1 decode step runs as one C call
-(kvserve/model/decode_plan.py) and shows up as `decode_plan`.
+(kvserve/accel/decode_plan.py) and shows up as `decode_plan`.
 
     cd benchmarks && ../.venv/bin/python throughput_profile.py [--json-dir DIR]
 """
@@ -19,11 +19,11 @@ import time
 from _common import machine, save_json
 
 from kvserve import LLM, SamplingParams, kernels
-from kvserve.bench.throughput import INPUT_RANGE, OUTPUT_RANGE, make_workload
-from kvserve.engine import model_runner
 from kvserve.cli import positive_int
+from kvserve.engine import model_runner
 from kvserve.loading import load_model
 from kvserve.model import attention, decode_plan, layers
+from kvserve.tools.bench.throughput import INPUT_RANGE, OUTPUT_RANGE, make_workload
 
 seconds: collections.Counter = collections.Counter()
 calls: collections.Counter = collections.Counter()

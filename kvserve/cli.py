@@ -90,9 +90,16 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def _add_serve_parser(sub) -> None:
     from kvserve.engine.async_engine import DEFAULT_MAX_UNREAD_TOKENS
-    from kvserve.server.limits import (DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_SEQS,
-                                       DEFAULT_MAX_STOP, DEFAULT_MAX_STOP_CHARS, DEFAULT_MAX_STOP_TOKEN_IDS,
-                                       DEFAULT_MAX_TOKENS, DEFAULT_REQUEST_TIMEOUT_S)
+    from kvserve.server.limits import (
+        DEFAULT_MAX_JSON_DEPTH,
+        DEFAULT_MAX_N,
+        DEFAULT_MAX_REQUEST_SEQS,
+        DEFAULT_MAX_STOP,
+        DEFAULT_MAX_STOP_CHARS,
+        DEFAULT_MAX_STOP_TOKEN_IDS,
+        DEFAULT_MAX_TOKENS,
+        DEFAULT_REQUEST_TIMEOUT_S,
+    )
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     srv.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
@@ -144,37 +151,39 @@ def _add_serve_parser(sub) -> None:
 
 
 def _add_eval_parser(sub) -> None:
-    from kvserve.eval.cli import add_eval_parser  # the flags live beside the evaluations
+    from kvserve.tools.eval.cli import (
+        add_eval_parser,  # the flags live beside the evaluations
+    )
 
     add_eval_parser(sub)
 
 
 def _add_roofline_parser(sub) -> None:
-    from kvserve.analysis.cli import add_roofline_parser
+    from kvserve.tools.analysis.cli import add_roofline_parser
 
     add_roofline_parser(sub)
 
 
 def _add_quantize_parser(sub) -> None:
-    from kvserve.quant.cli import add_quantize_parser
+    from kvserve.compress.quant.cli import add_quantize_parser
 
     add_quantize_parser(sub)
 
 
 def _add_prune_parser(sub) -> None:
-    from kvserve.prune.cli import add_prune_parser
+    from kvserve.compress.prune.cli import add_prune_parser
 
     add_prune_parser(sub)
 
 
 def _add_convert_parser(sub) -> None:
-    from kvserve.convert.cli import add_convert_parser
+    from kvserve.compress.convert.cli import add_convert_parser
 
     add_convert_parser(sub)
 
 
 def _add_distill_parser(sub) -> None:
-    from kvserve.train.cli import add_distill_parser
+    from kvserve.compress.train.cli import add_distill_parser
 
     add_distill_parser(sub)
 
@@ -196,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_convert_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    from kvserve.bench.throughput import INPUT_RANGE, OUTPUT_RANGE
+    from kvserve.tools.bench.throughput import INPUT_RANGE, OUTPUT_RANGE
 
     tp = bench.add_parser("throughput", help="offline throughput on a random workload (optionally vs HF)")
     tp.add_argument("--model", default=None)
@@ -282,7 +291,7 @@ def _int_list(text: str) -> list[int]:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.bench == "throughput":
-        from kvserve.bench.throughput import main as throughput
+        from kvserve.tools.bench.throughput import main as throughput
 
         for name in ("input_len", "output_len"):
             lo, hi = getattr(args, name)
@@ -290,25 +299,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 raise ValueError(f"--{name.replace('_', '-')}: MIN {lo} > MAX {hi}")
         return throughput(args)
     if args.bench == "spec":
-        from kvserve.bench.spec import main as spec_main
+        from kvserve.tools.bench.spec import main as spec_main
 
         return spec_main(args)
     if args.bench == "latency":
-        from kvserve.bench.latency import main as latency
+        from kvserve.tools.bench.latency import main as latency
 
         if args.output_len < 2:
             raise ValueError("--output-len: at least 2 tokens are needed to time decode")
         return latency(args)
     if args.bench == "prefix":
-        from kvserve.bench.prefix import main as prefix
+        from kvserve.tools.bench.prefix import main as prefix
 
         return prefix(args)
     if args.bench == "serve":
-        from kvserve.bench.serve import main as serve
+        from kvserve.tools.bench.serve import main as serve
 
         return serve(args)
     if args.bench == "hostile":
-        from kvserve.bench.hostile import main as hostile
+        from kvserve.tools.bench.hostile import main as hostile
 
         return hostile(args)
     raise ValueError(f"unknown benchmark {args.bench!r}")
@@ -352,37 +361,37 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from kvserve.eval.cli import run
+    from kvserve.tools.eval.cli import run
 
     return run(args)
 
 
 def cmd_roofline(args: argparse.Namespace) -> int:
-    from kvserve.analysis.cli import run
+    from kvserve.tools.analysis.cli import run
 
     return run(args)
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
-    from kvserve.quant.cli import run
+    from kvserve.compress.quant.cli import run
 
     return run(args)
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    from kvserve.prune.cli import run
+    from kvserve.compress.prune.cli import run
 
     return run(args)
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from kvserve.convert.cli import run
+    from kvserve.compress.convert.cli import run
 
     return run(args)
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
-    from kvserve.train.cli import run
+    from kvserve.compress.train.cli import run
 
     return run(args)
 

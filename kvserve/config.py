@@ -4,6 +4,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 
+from kvserve.loading.loader import DTYPES
+from kvserve.model.attention import KV_CACHE_DTYPES
+
 DEVICES = ("cpu", "cuda")
 SPECULATIVE = ("ngram", "draft", "self")
 WEIGHTS = ("float", "int8", "int4")
@@ -38,18 +41,18 @@ class EngineConfig:
     use_kv_cache: bool = True  # False: recompute the whole sequence every step (the O(T^2) baseline)
     num_threads: int | None = None  # torch intra-op threads; None = leave torch's default
     # Weights as computed: "float" (as loaded, in `dtype`), or quantized when the engine starts,
-    # RTN onto the CPU low-bit kernels (kvserve/quant/linear.py): "int8" per output channel,
+    # RTN onto the CPU low-bit kernels (kvserve/weights/linear.py): "int8" per output channel,
     # symmetric; "int4" asymmetric, groups of 128 (64 or 32 where 128 does not divide a width).
     # Every linear layer, the LM head and the token embedding included. A model handed in as
     # `loaded` is copied first, not changed.
     weights: str = "float"
     # CPU fp32: keep every weight matrix (the tied LM head too) also packed for the decode-step
-    # kernel (kvserve/model/panels.py): 1.2-4x MKL for steps of 1-128 sequences, for one more
+    # kernel (kvserve/accel/panels.py): 1.2-4x MKL for steps of 1-128 sequences, for one more
     # copy of the fp32 weights in memory. A model handed in as `loaded` gets its copies too. The
-    # packed head also gets an int8 screen for greedy steps (kvserve/model/greedy_head.py).
+    # packed head also gets an int8 screen for greedy steps (kvserve/accel/greedy_head.py).
     pack_weights: bool = True
     # Every full forward pass through torch.compile (inductor), dynamic in the token count, with
-    # each layer's K/V write and paged attention one opaque op (kvserve/model/compiled.py). The
+    # each layer's K/V write and paged attention one opaque op (kvserve/accel/compiled.py). The
     # body's matmuls are then PyTorch's (of the packed copies only the LM head's is kept); the
     # first step of each shape class (one token, several) pays the compile. Float weights only.
     compile: bool = False
@@ -89,7 +92,6 @@ class EngineConfig:
         dev = str(self.device).split(":")[0]
         if dev not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
-        from kvserve.loading.loader import DTYPES  # validation only
 
         if self.dtype == "auto":
             self.dtype = "bfloat16" if dev == "cuda" else "float32"
@@ -108,7 +110,6 @@ class EngineConfig:
                      "pack_weights", "compile", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        from kvserve.model.attention import KV_CACHE_DTYPES  # validation only
 
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
@@ -160,8 +161,6 @@ class EngineConfig:
         if self.self_draft_layers is not None:
             self._positive_int("self_draft_layers")
         if self.self_draft_dtype is not None:
-            from kvserve.loading.loader import DTYPES  # validation only
-
             if self.self_draft_dtype not in DTYPES:
                 raise ValueError(f"self_draft_dtype must be one of {sorted(DTYPES)}, got {self.self_draft_dtype!r}")
         if self.self_draft_bits is not None and self.self_draft_bits not in (4, 8):

@@ -167,8 +167,8 @@ def test_abort_mid_generation_frees_everything(gemma):
 def test_a_request_past_its_deadline_finishes_with_length(tmp_path):
     """LLMEngine.add_request(deadline=...): the step that finds it passed ends the request with
     the text so far (held-back text included), finish_reason "length", blocks freed."""
-    from kvserve.engine.llm_engine import LLMEngine
     from kvserve.config import EngineConfig
+    from kvserve.engine.llm_engine import LLMEngine
     from kvserve.loading import load_model
     from tests.tiny_models import make_model
 

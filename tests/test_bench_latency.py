@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from kvserve.bench.latency import decode_bytes_per_token, weight_bytes
 from kvserve.cli import main
+from kvserve.tools.bench.latency import decode_bytes_per_token, weight_bytes
 
 
 @pytest.fixture(scope="module")
@@ -31,18 +31,19 @@ def test_bytes_per_token_counts_weights_once_and_windowed_kv(tiny_gemma):
     expected_kv = per_layer_token * (4 * 8 + 2 * 100)
     assert decode_bytes_per_token(loaded, 100) == sum(params.values()) + expected_kv
     # Packed for the engine: greedy steps read the head's int8 screen instead of the fp32 head.
-    from kvserve.model.panels import use_panel_kernels
+    from kvserve.accel.greedy_head import drop_head_screen, head_screen
+    from kvserve.accel.prepare import prepare_model
 
-    use_panel_kernels(loaded.model)
-    screen = loaded.model.greedy_head
+    prepare_model(loaded.model, "cpu")
+    screen = head_screen(loaded.model)
     if screen is not None:
         head = cfg.vocab_size * cfg.hidden_size * 4
         assert screen.nbytes == (-(-cfg.vocab_size // 16) * 16 * (cfg.hidden_size + cfg.hidden_size % 2)
                                  + 3 * 8 * cfg.vocab_size)
         assert decode_bytes_per_token(loaded, 100) == sum(params.values()) - head + screen.nbytes + expected_kv
-        loaded.model.greedy_head = None
+        drop_head_screen(loaded.model)
     # A quantized model: its packed codes and scales are buffers, counted as stored.
-    from kvserve.quant import quantize_model
+    from kvserve.compress.quant import quantize_model
 
     report = quantize_model(loaded.model, "rtn", bits=8, granularity="channel", progress=False)
     quantized = sum(params.values()) - report.bytes_before + report.bytes_after

@@ -13,14 +13,27 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 import uvicorn
+from conftest import (
+    WIKITEXT,  # tests/ is on sys.path under both `pytest` and `python -m pytest`
+)
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from kvserve.bench import serve
-from kvserve.bench.serve import (SLO, BenchRequest, RequestResult, ServeTarget, arrival_offsets, parse_goodput,
-                                 parse_rates, percentile, run_requests, summarize_ms, summarize_run)
 from kvserve.cli import main
-from conftest import WIKITEXT  # tests/ is on sys.path under both `pytest` and `python -m pytest`
+from kvserve.tools.bench import serve
+from kvserve.tools.bench.serve import (
+    SLO,
+    BenchRequest,
+    RequestResult,
+    ServeTarget,
+    arrival_offsets,
+    parse_goodput,
+    parse_rates,
+    percentile,
+    run_requests,
+    summarize_ms,
+    summarize_run,
+)
 
 FIRST_DELAY = 0.04  # fake server: seconds before the first content chunk
 CHUNK_DELAY = 0.01  # fake server: seconds between content chunks

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from kvserve.bench.spec import make_prompts, speedups, SpecRun
 from kvserve.cli import main
+from kvserve.tools.bench.spec import SpecRun, make_prompts, speedups
 from tests.conftest import WIKITEXT
 from tests.tiny_models import make_model
 

@@ -11,7 +11,12 @@ import pytest
 
 from kvserve.loading import load_model
 from kvserve.loading.hf import read_hf_config
-from kvserve.server.chat_template import DEFAULT_TEMPLATE, ChatTemplate, ChatTemplateError, chat_template_for
+from kvserve.server.chat_template import (
+    DEFAULT_TEMPLATE,
+    ChatTemplate,
+    ChatTemplateError,
+    chat_template_for,
+)
 from tests.server_harness import live_server, make_engine
 from tests.test_gguf_llama import _tiny_llama, write_llama_gguf
 from tests.tiny_models import make_model, write_tokenizer

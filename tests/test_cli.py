@@ -52,6 +52,6 @@ def test_console_script_entry_point():
 def test_a_missing_optional_extra_names_it(monkeypatch, capsys):
     """httpx comes with kvserve[bench]: without it `kvserve bench serve` says what to install."""
     monkeypatch.setitem(sys.modules, "httpx", None)  # importing it now raises ModuleNotFoundError
-    monkeypatch.delitem(sys.modules, "kvserve.bench.serve", raising=False)
+    monkeypatch.delitem(sys.modules, "kvserve.tools.bench.serve", raising=False)
     assert main(["bench", "serve", "--url", "http://127.0.0.1:9", "--num-prompts", "1"]) == 2
     assert "pip install 'kvserve[bench]'" in capsys.readouterr().err

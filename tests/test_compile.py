@@ -1,4 +1,4 @@
-"""EngineConfig.compile: the forward pass through torch.compile (kvserve/model/compiled.py) computes
+"""EngineConfig.compile: the forward pass through torch.compile (kvserve/accel/compiled.py) computes
 what the eager engine computes: the same greedy tokens, log-probabilities to fp32 rounding, over
 prompts, chunked prefill mixed with decode rows, and speculative verification."""
 from __future__ import annotations
@@ -86,7 +86,7 @@ def test_compile_option_is_validated(tiny):
 
 
 def test_the_attention_op_needs_a_step():
-    import kvserve.model.compiled  # noqa: F401  (registers the op)
+    import kvserve.accel.compiled  # noqa: F401  (registers the op)
 
     q = torch.zeros(2, 4, 8)
     with pytest.raises(RuntimeError, match="outside a step"):

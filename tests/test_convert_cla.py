@@ -1,4 +1,4 @@
-"""Cross-layer KV sharing (kvserve/convert/cla.py, `kvserve convert --share-kv-every`): which
+"""Cross-layer KV sharing (kvserve/compress/convert/cla.py, `kvserve convert --share-kv-every`): which
 layers share, logits against an independent reference forward, the engine's paged / batched /
 chunked / prefix-cached greedy tokens against full recomputation, KV bytes measured in the pool,
 the saved folder, refusals."""
@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.convert.cla import kv_source_every, share_kv
-from kvserve.eval.ppl import window_hidden
+from kvserve.compress.convert.cla import kv_source_every, share_kv
 from kvserve.loading import load_model
 from kvserve.loading.errors import ModelLoadError
 from kvserve.loading.save import save_model
 from kvserve.model.config import FULL, SLIDING, kv_layer_groups
 from kvserve.model.layers import apply_rope
+from kvserve.tools.eval.ppl import window_hidden
 from tests.logits import all_position_logits
 from tests.tiny_models import VOCAB, make_model
 
@@ -213,7 +213,7 @@ def test_cli(folders, tmp_path, capsys):
 
 
 def test_refusals(folders, tmp_path):
-    from kvserve.quant import quantize_model
+    from kvserve.compress.quant import quantize_model
 
     cla = load_model(folders["llama"][1])
     with pytest.raises(ValueError, match="already shares"):
@@ -237,7 +237,7 @@ def test_refusals(folders, tmp_path):
 
 
 def test_calibrated_compression_refused_rtn_works(folders):
-    from kvserve.quant import quantize_model
+    from kvserve.compress.quant import quantize_model
 
     calib = torch.tensor(_prompts([16, 16], seed=2))
     for method in ("gptq", "awq"):

@@ -1,10 +1,10 @@
-"""GQA / MQA conversion by mean-pooling K/V heads (kvserve/convert/gqa.py, `kvserve convert`)."""
+"""GQA / MQA conversion by mean-pooling K/V heads (kvserve/compress/convert/gqa.py, `kvserve convert`)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvserve.convert import pool_kv_heads
+from kvserve.compress.convert import pool_kv_heads
 from kvserve.loading import load_model
 from kvserve.loading.save import save_model
 from tests.logits import all_position_logits
@@ -69,7 +69,7 @@ def test_converted_folder_matches_hf_and_shrinks_the_pool(source, tmp_path):
 
 def test_bad_head_counts_and_models_are_refused(source, capsys):
     from kvserve.cli import main
-    from kvserve.quant import quantize_model
+    from kvserve.compress.quant import quantize_model
 
     loaded = load_model(source)
     for k in (0, 3, 8):

@@ -1,4 +1,4 @@
-"""kvserve/bench/cuda_check.py, the GPU check: its verdicts, its reference files, and its CPU dry run
+"""kvserve/tools/bench/cuda_check.py, the GPU check: its verdicts, its reference files, and its CPU dry run
 of both models' paths (the GPU run itself needs a lent machine)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvserve.bench import cuda_check as cuda_check_module
+from kvserve.tools.bench import cuda_check as cuda_check_module
 from tests.tiny_models import make_model
 
 TINY_LLAMA = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

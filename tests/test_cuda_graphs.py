@@ -4,7 +4,7 @@ Off CUDA the runner captures nothing and runs the same step eagerly on the same 
 (pinned-buffer layout, padding rows writing into their own page, block tables with stale tails,
 metadata built over the static tensors). Here it is switched on for CPU engines and held to the
 plain engine's outputs: greedy and seeded sampling, batches that need padding, the Gemma model's
-six KV layer groups. On an H200 the check script (kvserve/bench/cuda_check.py) compares the captured
+six KV layer groups. On an H200 the check script (kvserve/tools/bench/cuda_check.py) compares the captured
 graphs' greedy tokens with the CPU engine's."""
 from __future__ import annotations
 

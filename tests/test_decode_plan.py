@@ -1,4 +1,4 @@
-"""The batch-1 decode step's layers in one C call (kvserve/model/decode_plan.py,
+"""The batch-1 decode step's layers in one C call (kvserve/accel/decode_plan.py,
 kvserve/kernels/decode_step.c) compute bitwise what the Python path computes: same tokens and
 same log-probabilities, on fp32 panels and on the int8 / int4 kernels, with sliding-window
 layers, and after the weights change under it."""
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams, kernels
-from kvserve.model.decode_plan import DecodePlan, plan_for
+from kvserve.accel.decode_plan import DecodePlan, plan_for
 
 pytestmark = pytest.mark.skipif(kernels.kernel_lib("decode_step") is None, reason="no C compiler")
 

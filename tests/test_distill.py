@@ -1,4 +1,4 @@
-"""`kvserve distill` (kvserve/train/distill.py, cli.py) on tiny models: a teacher and the same
+"""`kvserve distill` (kvserve/compress/train/distill.py, cli.py) on tiny models: a teacher and the same
 model with its last layer dropped as the student."""
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from kvserve.cli import main
+from kvserve.compress.train.distill import CHECKPOINT, DistillOptions
+from kvserve.compress.train.losses import DistillLoss
 from kvserve.loading import load_model
 from kvserve.loading.save import save_model
-from kvserve.train.distill import CHECKPOINT, DistillOptions
-from kvserve.train.losses import DistillLoss
 
 TEXT = "The quick brown fox jumps over the lazy dog. Paged attention stores keys and values in blocks. " * 40
 
@@ -136,7 +136,7 @@ def test_steps_from_tokens():
 
 
 def test_a_frozen_embedding_equal_to_the_teachers_is_shared(models):
-    from kvserve.train.distill import share_frozen_embedding
+    from kvserve.compress.train.distill import share_frozen_embedding
 
     teacher, student = load_model(models / "teacher"), load_model(models / "student")
     other = load_model(models / "student")

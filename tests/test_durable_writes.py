@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import safetensors.torch
 import torch
 
 from kvserve.loading import load_model
+from kvserve.loading import save as save_module
 from kvserve.loading.cache import temp_sibling
 from kvserve.loading.save import save_model
 from tests.test_gguf_llama import _tiny_llama, write_llama_gguf
@@ -38,16 +38,16 @@ def _digest(folder: Path) -> dict[str, str]:
 def test_an_interrupted_save_leaves_the_old_folder(tiny, tmp_path, monkeypatch):
     out = save_model(tiny, tmp_path / "out")
     before = _digest(out)
-    real = safetensors.torch.save_file
+    real = save_module.save_file
 
     def half_then_interrupt(tensors, path, metadata=None):
         Path(path).write_bytes(b"half a file")  # the weights were being written: then Ctrl-C
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(safetensors.torch, "save_file", half_then_interrupt)
+    monkeypatch.setattr(save_module, "save_file", half_then_interrupt)  # the name save.py calls
     with pytest.raises(KeyboardInterrupt):
         save_model(tiny, out, dtype=torch.bfloat16)
-    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    monkeypatch.setattr(save_module, "save_file", real)
     assert _digest(out) == before
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # the staging sibling is gone too
     assert load_model(out).config == tiny.config
@@ -117,7 +117,7 @@ def test_a_corrupt_cached_kernel_is_rebuilt(tmp_path):
 
 
 def test_a_checkpoint_that_is_not_plain_data_is_refused(tmp_path):
-    from kvserve.train.loop import TrainConfig, _resume
+    from kvserve.compress.train.loop import TrainConfig, _resume
 
     ckpt = tmp_path / "ckpt.pt"
     torch.save({"config": {}, "payload": Path("/etc")}, ckpt)  # an arbitrary object: loading it would unpickle

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.cli import main
-from kvserve.eval import ppl as ev
 from kvserve.loading import load_model
+from kvserve.tools.eval import ppl as ev
 from tests.conftest import WIKITEXT
 from tests.logits import all_position_logits
 from tests.tiny_models import VOCAB, make_model
@@ -73,7 +73,7 @@ def test_kl_to_itself_is_zero(tiny):
 def test_kl_matches_direct_computation_on_the_paged_path(tiny):
     """KL(ref || model) against the same quantity from the engine's own paged attention, one window
     at a time (an independent path to the logits)."""
-    from kvserve.quant import quantize_model
+    from kvserve.compress.quant import quantize_model
 
     ours, _ = tiny
     folder = ours.source

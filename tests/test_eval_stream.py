@@ -12,13 +12,20 @@ import pytest
 import torch
 
 from kvserve.cli import main
-from kvserve.eval import stream as ev
 from kvserve.loading import load_model
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.config import RopeConfig
 from kvserve.model.layers import RotaryEmbedding, apply_rope
-from kvserve.model.streaming import (LayerCache, StreamingAttention, StreamPolicy, chunk_shift, layer_policies,
-                                     query_ranks, stream_attention)
+from kvserve.model.streaming import (
+    LayerCache,
+    StreamingAttention,
+    StreamPolicy,
+    chunk_shift,
+    layer_policies,
+    query_ranks,
+    stream_attention,
+)
+from kvserve.tools.eval import stream as ev
 from tests.conftest import WIKITEXT
 from tests.logits import all_position_logits
 from tests.streaming_reference import LiteralStreaming

@@ -1,4 +1,4 @@
-"""q/k/v and gate/up fused into one matmul each (kvserve/model/fused_linear.py, the CUDA
+"""q/k/v and gate/up fused into one matmul each (kvserve/accel/fused_linear.py, the CUDA
 engine's preparation), checked on the CPU: the same outputs, the parts as views of the fused
 rows (no memory added, the state dict and saving unchanged)."""
 from __future__ import annotations
@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
+from kvserve.accel.fused_linear import FusedLinear, fuse_linear_projections
 from kvserve.loading import load_model
 from kvserve.loading.save import save_model
 from kvserve.model.base import stored_weight_bytes
-from kvserve.model.fused_linear import FusedLinear, fuse_linear_projections
 from tests.tiny_models import make_model
 
 

@@ -20,8 +20,8 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.loading import gguf as kv_gguf
 from kvserve.loading import load_model
-from tests.tiny_models import VOCAB, write_tokenizer
 from tests.logits import all_position_logits
+from tests.tiny_models import VOCAB, write_tokenizer
 
 ROPE_THETA = 50000.0  # not the 10k default, so the loader must read rope.freq_base
 CASES = {"f32": ("F32", "llama-bpe", False), "q8_0_tied": ("Q8_0", "default", True)}  # qtype, pre, tied

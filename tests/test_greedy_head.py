@@ -1,4 +1,4 @@
-"""Greedy tokens through the int8 screen of the head (kernels/greedy_head.c, model/greedy_head.py):
+"""Greedy tokens through the int8 screen of the head (kernels/greedy_head.c, accel/greedy_head.py):
 bitwise the argmax of the fp32 logits the panel kernel computes (first index among equal maxima),
 on random heads, planted ties, outliers, rows the screen cannot settle, and Gemma's real head."""
 from __future__ import annotations
@@ -12,8 +12,15 @@ import torch
 from torch import nn
 
 from kvserve import kernels
-from kvserve.model.greedy_head import GreedyHead
-from kvserve.model.panels import Panels, use_panel_kernels
+from kvserve.accel.greedy_head import (
+    GreedyHead,
+    drop_head_screen,
+    greedy_tokens,
+    head_screen,
+    screen_head,
+)
+from kvserve.accel.panels import Panels
+from kvserve.accel.prepare import prepare_model
 
 needs_screen = pytest.mark.skipif(
     kernels.pack_panels(torch.zeros(1, 1)) is None
@@ -80,7 +87,7 @@ def test_screen_with_fewer_threads_than_asked():
     code = """
 import torch
 from kvserve import kernels
-from kvserve.model.panels import Panels
+from kvserve.accel.panels import Panels
 g = torch.Generator().manual_seed(0)
 w = torch.randn(3000, 64, generator=g) * 0.05 - 1.0
 x = torch.rand(3, 64, generator=g) + 0.5
@@ -104,7 +111,7 @@ def _tiny(folder, tied: bool):
 
     make_model("llama", folder, tie_word_embeddings=tied)
     model = load_model(folder, "float32", "cpu").model
-    use_panel_kernels(model)
+    prepare_model(model, "cpu")
     return model
 
 
@@ -112,28 +119,28 @@ def _tiny(folder, tied: bool):
 @pytest.mark.parametrize("tied", [True, False])
 def test_model_greedy_tokens_equal_the_argmax_of_compute_logits(tmp_path, tied):
     model = _tiny(tmp_path / "m", tied)
-    assert isinstance(model.greedy_head, GreedyHead)
+    assert isinstance(head_screen(model), GreedyHead)
     h = torch.randn(9, model.config.hidden_size) * 2
     h[4] = 0  # unsettled by the screen: computed in full
     with torch.inference_mode():
         want = kernels.argmax_rows(model.compute_logits(h))
-        assert torch.equal(model.greedy_tokens(h), want)
+        assert torch.equal(greedy_tokens(model, h), want)
     head = model.lm_head_weight
     with torch.no_grad():  # an in-place change (pruning, SmoothQuant): screen and panels rebuilt
         head.mul_(-1)
     with torch.inference_mode():
         want = kernels.argmax_rows(model.compute_logits(h))
-        assert torch.equal(model.greedy_tokens(h), want)
+        assert torch.equal(greedy_tokens(model, h), want)
 
 
 @needs_screen
 def test_no_screen_without_a_packed_fp32_head(tmp_path):
     model = _tiny(tmp_path / "m", True)
-    model.greedy_head = None
-    assert model.greedy_tokens(torch.randn(2, model.config.hidden_size)) is None
+    drop_head_screen(model)
+    assert greedy_tokens(model, torch.randn(2, model.config.hidden_size)) is None
     holder = nn.Sequential(nn.Linear(8, 8))
-    use_panel_kernels(holder)  # not a CausalLM: nothing to screen
-    assert getattr(holder, "greedy_head", None) is None
+    prepare_model(holder, "cpu")  # not a CausalLM: nothing to screen
+    assert head_screen(holder) is None
 
 
 @needs_screen
@@ -141,7 +148,7 @@ def test_gemma_generation_through_the_screen_equals_the_full_logits(gemma_llm, m
     from kvserve import SamplingParams
 
     model = gemma_llm.engine.runner.model
-    assert isinstance(model.greedy_head, GreedyHead)
+    assert isinstance(head_screen(model), GreedyHead)
     calls = []
     real = kernels.screen_argmax
     monkeypatch.setattr(kernels, "screen_argmax", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
@@ -153,10 +160,13 @@ def test_gemma_generation_through_the_screen_equals_the_full_logits(gemma_llm, m
     sampled = SamplingParams(temperature=0.8, max_tokens=12, seed=1, ignore_eos=True)
     mixed = gemma_llm.generate(prompts + ["Once upon a time"], [greedy] * 3 + [sampled])
     assert [o.outputs[0].token_ids for o in mixed[:3]] == got
-    monkeypatch.setattr(model, "greedy_head", None)
-    n = len(calls)
-    assert [o.outputs[0].token_ids for o in gemma_llm.generate(prompts, greedy)] == got
-    assert len(calls) == n
+    drop_head_screen(model)
+    try:
+        n = len(calls)
+        assert [o.outputs[0].token_ids for o in gemma_llm.generate(prompts, greedy)] == got
+        assert len(calls) == n
+    finally:
+        screen_head(model)  # the shared engine keeps its screen
 
 
 @needs_screen

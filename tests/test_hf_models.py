@@ -7,8 +7,8 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.loading import load_model
-from tests.tiny_models import VOCAB, make_model
 from tests.logits import all_position_logits
+from tests.tiny_models import VOCAB, make_model
 
 KINDS = ["llama", "qwen2", "qwen3", "mistral", "gemma3"]
 

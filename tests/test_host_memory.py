@@ -9,8 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvserve.kernels.host_memory import (HUGE_PAGE, advise_huge, empty_huge, keep_freed_memory,
-                                         keep_freed_memory_wanted)
+from kvserve.kernels.host_memory import (
+    HUGE_PAGE,
+    advise_huge,
+    empty_huge,
+    keep_freed_memory,
+    keep_freed_memory_wanted,
+)
 
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="madvise / mallopt are Linux (glibc) calls")
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")

@@ -1,4 +1,4 @@
-"""The hostile-client suite (kvserve/bench/hostile.py) against a live server on 127.0.0.1.
+"""The hostile-client suite (kvserve/tools/bench/hostile.py) against a live server on 127.0.0.1.
 
 Passes when no answer is a 5xx (or missing), no attacker hangs, the process's RSS stays under a
 stated bound, /health always answers within 1 s, normal traffic keeps being served, and
@@ -9,8 +9,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from kvserve.bench.hostile import C, json_attacks, raw_attacks, run_attack
 from kvserve.loading import load_model
+from kvserve.tools.bench.hostile import C, json_attacks, raw_attacks, run_attack
 from tests.server_harness import live_server, make_engine
 from tests.tiny_models import make_model
 

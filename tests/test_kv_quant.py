@@ -12,9 +12,9 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
 from kvserve.engine.model_runner import ModelRunner, StepInput
-from kvserve.eval.stream import load_token_stream
-from kvserve.model.attention import KVCache
 from kvserve.loading import load_model
+from kvserve.model.attention import KVCache
+from kvserve.tools.eval.stream import load_token_stream
 from tests.conftest import WIKITEXT
 from tests.tiny_models import make_model
 

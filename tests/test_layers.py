@@ -1,8 +1,9 @@
 """The package's import structure: the layer contracts of pyproject.toml ([tool.importlinter],
-run by import-linter itself) and no import cycle between kvserve modules (function-local imports
-included)."""
+run by import-linter itself), no import cycle between kvserve modules (function-local imports
+included), and function-local imports only for heavy optional dependencies, each with its reason."""
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -78,3 +79,47 @@ def test_the_cycle_finder_finds_a_cycle():
             return {"a": {"b"}, "b": {"a"}, "c": {"a"}}[m]
 
     assert _cycles(Graph()) == {frozenset({"a", "b"})}
+
+
+# What a function may import for itself (outside the command-line files, which import each
+# command's module when it runs): heavy dependencies that only some users install.
+DEFERRED = ("transformers", "matplotlib", "triton", "kvserve.kernels.triton_")
+
+
+def _local_imports(path: Path) -> list[tuple[int, str, str]]:
+    """(line, imported module, source text) of each import inside a function of `path`."""
+    src = path.read_text()
+    found = {}
+    for fn in ast.walk(ast.parse(src)):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    names = [f"{node.module}.{a.name}" if node.module == "kvserve.kernels" else node.module
+                             for a in node.names]
+                else:
+                    continue
+                found[node.lineno] = (names, ast.get_source_segment(src, node, padded=False))
+    return [(line, name, text) for line, (names, text) in sorted(found.items()) for name in names]
+
+
+def test_function_local_imports_only_defer_optional_dependencies_with_a_reason():
+    src_lines = {}
+    bad = []
+    for path in sorted((ROOT / "kvserve").rglob("*.py")):
+        if path.name == "cli.py":
+            continue
+        lines = src_lines.setdefault(path, path.read_text().splitlines())
+        for line, name, text in _local_imports(path):
+            span = lines[line - 1:line - 1 + text.count("\n") + 1]
+            if not name.startswith(DEFERRED) or not any("#" in s for s in span):
+                bad.append(f"{path.relative_to(ROOT)}:{line}: {text.splitlines()[0]}")
+    assert not bad, "function-local imports without a deferred optional dependency and its reason:\n" + "\n".join(bad)
+
+
+def test_the_local_import_finder_sees_nested_imports(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("def f():\n    if x:\n        from kvserve.kernels import (\n            triton_ops,  # why\n        )\n"
+                 "    import json\n")
+    assert [(n, name) for n, name, _ in _local_imports(f)] == [(3, "kvserve.kernels.triton_ops"), (6, "json")]

@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.analysis import roofline as rl
-from kvserve.analysis.presets import shape_from_hf_config
 from kvserve.engine.model_runner import ModelRunner, StepInput
 from kvserve.loading import load_model
 from kvserve.loading.errors import ModelLoadError
 from kvserve.model.attention import CAUSAL, KVCache
 from kvserve.model.config import FULL, ModelConfig, RopeConfig
 from kvserve.model.mla import MLAttention
+from kvserve.tools.analysis import roofline as rl
+from kvserve.tools.analysis.presets import shape_from_hf_config
 from tests.tiny_models import VOCAB, make_model
 
 MAX_NEW = 16

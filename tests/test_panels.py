@@ -1,4 +1,4 @@
-"""The decode-step kernels: packed-panel fp32 matmul (kernels/panel_gemm.c, model/panels.py) and
+"""The decode-step kernels: packed-panel fp32 matmul (kernels/panel_gemm.c, accel/panels.py) and
 the greedy argmax (kernels/argmax.c), against PyTorch."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from kvserve import kernels
-from kvserve.model.panels import PanelLinear, use_panel_kernels
+from kvserve.accel.panels import PanelLinear, use_panel_kernels
 
 needs_panels = pytest.mark.skipif(kernels.pack_panels(torch.zeros(1, 1)) is None,
                                   reason="panel kernel unavailable (no compiler, or no AVX2 / AVX-512)")
@@ -133,13 +133,13 @@ def test_engine_packs_fp32_cpu_weights_only_when_asked(tmp_path):
 
 
 def test_cli_no_pack_weights_flag(tmp_path, monkeypatch):
-    import kvserve.engine.llm_engine as llm_engine
+    from kvserve.accel import panels
     from kvserve.cli import main
     from tests.tiny_models import make_model
 
     make_model("llama", tmp_path / "llama")
     packed = []
-    monkeypatch.setattr(llm_engine, "use_panel_kernels", lambda model, head_only=False: packed.append(model) or 0)
+    monkeypatch.setattr(panels, "use_panel_kernels", lambda model, head_only=False: packed.append(model) or 0)
     base = ["generate", "--model", str(tmp_path / "llama"), "--max-tokens", "2", "--ignore-eos", "--kv-cache-gib",
             "0.05", "--quiet-metrics", "hello"]
     assert main(base[:1] + ["--no-pack-weights"] + base[1:]) == 0 and packed == []

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.bench.serve import default_wikitext_path
-from kvserve.eval.ppl import dataset_path
+from kvserve.compress.quant.calibrate import calibration_path
 from kvserve.paths import DATA_ENV
-from kvserve.quant.calibrate import calibration_path
+from kvserve.tools.bench.serve import default_wikitext_path
+from kvserve.tools.eval.ppl import dataset_path
 
 
 def test_the_setting_locates_wikitext2(monkeypatch, tmp_path):

@@ -91,9 +91,9 @@ def tiny_gemma(tmp_path_factory):
 
 @needs_kernel
 def test_engine_same_tokens_with_and_without_kernel(tiny_gemma, monkeypatch):
+    import kvserve.model.attention as attention
     from kvserve import LLM, SamplingParams
     from kvserve.loading import load_model
-    import kvserve.model.attention as attention
 
     loaded = load_model(tiny_gemma)
     prompts = [[2] + [(7 * i + j) % 300 + 3 for j in range(n)] for i, n in enumerate([3, 15, 16, 40, 70, 130])]

@@ -1,4 +1,4 @@
-"""`kvserve prune` (kvserve/prune/cli.py): saved folders load back pruned; bad flags are clear errors."""
+"""`kvserve prune` (kvserve/compress/prune/cli.py): saved folders load back pruned; bad flags are clear errors."""
 from __future__ import annotations
 
 import json
@@ -9,10 +9,10 @@ import torch
 from tiny_models import make_model
 
 from kvserve.cli import main
+from kvserve.compress.prune.masks import is_nm, sparsity_of
+from kvserve.compress.quant.apply import linear_layers
 from kvserve.loading import load_model
-from kvserve.prune.masks import is_nm, sparsity_of
-from kvserve.prune.sparse24 import SparseNMLinear
-from kvserve.quant.apply import linear_layers
+from kvserve.weights.sparse_nm import SparseNMLinear
 
 
 @pytest.fixture(scope="module")
@@ -66,17 +66,17 @@ def test_cli_bad_flags_are_clear_errors(tiny, tmp_path, capsys, flags, message):
 
 def test_cli_structured_flags_without_the_module_are_a_clear_error(tiny, tmp_path, capsys, monkeypatch):
     folder, text = tiny
-    monkeypatch.setitem(sys.modules, "kvserve.prune.structured", None)  # import fails as if absent
+    monkeypatch.setitem(sys.modules, "kvserve.compress.prune.structured", None)  # import fails as if absent
     assert main(["prune", str(folder), "--ffn-keep", "0.5", "--nsamples", "2", "--calib-seqlen", "16",
                  "--calib-file", str(text), "--out", str(tmp_path / "s")]) == 2
-    assert "kvserve.prune.structured" in capsys.readouterr().err
+    assert "kvserve.compress.prune.structured" in capsys.readouterr().err
 
 
 def test_iterative_pruning_with_healing_keeps_zeros_and_heals(tiny, tmp_path):
     """--steps 2 --heal-steps N: distillation after each step keeps every pruned weight at zero
     (so the final sparsity is exact), changes the surviving weights, and leaves the student closer
     to the unpruned model than the same iterative pruning without healing."""
-    from kvserve.eval.ppl import evaluate
+    from kvserve.tools.eval.ppl import evaluate
 
     folder, text = tiny
     common = ["prune", str(folder), "--method", "wanda", "--sparsity", "0.5", "--steps", "2", "--nsamples", "4",

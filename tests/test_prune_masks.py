@@ -1,5 +1,5 @@
-"""Pruning masks and scores (kvserve/prune/masks.py) and the sequential pipeline
-(kvserve/prune/apply.py): exact sparsity / N:M counts, Wanda's per-row comparison, iterative steps."""
+"""Pruning masks and scores (kvserve/compress/prune/masks.py) and the sequential pipeline
+(kvserve/compress/prune/apply.py): exact sparsity / N:M counts, Wanda's per-row comparison, iterative steps."""
 from __future__ import annotations
 
 import copy
@@ -8,14 +8,21 @@ import pytest
 import torch
 from tiny_models import make_model
 
-from kvserve.eval.ppl import window_hidden
+from kvserve.compress.prune import prune_model
+from kvserve.compress.prune.apply import prune_linear
+from kvserve.compress.prune.masks import (
+    input_norms_from_hessian,
+    is_nm,
+    nm_mask,
+    parse_pattern,
+    sparsity_of,
+    unstructured_mask,
+    wanda_scores,
+)
+from kvserve.compress.quant.apply import linear_layers
+from kvserve.compress.quant.calibrate import calibration_windows
 from kvserve.loading import load_model
-from kvserve.prune import prune_model
-from kvserve.prune.apply import prune_linear
-from kvserve.prune.masks import (input_norms_from_hessian, is_nm, nm_mask, parse_pattern, sparsity_of,
-                                 unstructured_mask, wanda_scores)
-from kvserve.quant.apply import linear_layers
-from kvserve.quant.calibrate import calibration_windows
+from kvserve.tools.eval.ppl import window_hidden
 
 
 @pytest.mark.parametrize("sparsity", [0.0, 0.3, 0.5, 0.77])

@@ -1,4 +1,4 @@
-"""N:M compressed storage (kvserve/prune/sparse24.py): bit packing, exact round trips of 2:4 and
+"""N:M compressed storage (kvserve/weights/sparse_nm.py, kvserve/loading/sparse_nm.py): bit packing, exact round trips of 2:4 and
 4:8 weights, SparseNMLinear = dense F.linear on CPU, compressed folders through load_model."""
 from __future__ import annotations
 
@@ -9,14 +9,22 @@ import torch
 import torch.nn.functional as F
 from tiny_models import make_model
 
-from kvserve.eval.windows import window_hidden
+from kvserve.compress.prune import prune_model
+from kvserve.compress.prune.masks import nm_mask
 from kvserve.loading import load_model
 from kvserve.loading.save import save_model
-from kvserve.prune import prune_model
-from kvserve.prune import sparse24
-from kvserve.prune.masks import nm_mask
-from kvserve.prune.sparse24 import (SparseNMLinear, compress_model, compress_nm, decompress_nm, index_bits,
-                                    pack_bits, save_compressed, unpack_bits)
+from kvserve.loading.sparse_nm import save_compressed
+from kvserve.tools.eval.windows import window_hidden
+from kvserve.weights import sparse_nm
+from kvserve.weights.sparse_nm import (
+    SparseNMLinear,
+    compress_model,
+    compress_nm,
+    decompress_nm,
+    index_bits,
+    pack_bits,
+    unpack_bits,
+)
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 5])
@@ -70,8 +78,8 @@ def test_sparse_linear_matches_dense_on_cpu_and_logs_the_fallback(caplog, monkey
         lin.weight.copy_(_nm_weight(24, 64, 2, 4))
     mod = SparseNMLinear.from_linear(lin, "2:4")
     x = torch.randn(3, 5, 64)
-    monkeypatch.setattr(sparse24, "_warned_fallback", False)
-    with caplog.at_level(logging.WARNING, logger="kvserve.prune.sparse24"):
+    monkeypatch.setattr(sparse_nm, "_warned_fallback", False)
+    with caplog.at_level(logging.WARNING, logger="kvserve.weights.sparse_nm"):
         y = mod(x)
         mod(x)
     assert torch.equal(y, F.linear(x, lin.weight, lin.bias))
@@ -79,7 +87,7 @@ def test_sparse_linear_matches_dense_on_cpu_and_logs_the_fallback(caplog, monkey
     assert torch.equal(mod.dense_weight(), lin.weight)
 
 
-@pytest.mark.skipif(not sparse24.semi_structured_available(), reason="needs CUDA semi-structured sparsity")
+@pytest.mark.skipif(not sparse_nm.semi_structured_available(), reason="needs CUDA semi-structured sparsity")
 def test_semi_structured_cuda_matches_dense():
     lin = torch.nn.Linear(128, 128).cuda().half()
     with torch.no_grad():

@@ -1,13 +1,13 @@
-"""SparseGPT (kvserve/prune/sparsegpt.py): exact masks, OBS error compensation beating magnitude
+"""SparseGPT (kvserve/compress/prune/sparsegpt.py): exact masks, OBS error compensation beating magnitude
 and Wanda on correlated inputs, dead inputs, clear errors."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvserve.prune.apply import prune_linear
-from kvserve.prune.masks import is_nm, sparsity_of
-from kvserve.prune.sparsegpt import sparsegpt_prune
+from kvserve.compress.prune.apply import prune_linear
+from kvserve.compress.prune.masks import is_nm, sparsity_of
+from kvserve.compress.prune.sparsegpt import sparsegpt_prune
 
 
 def _correlated(n=4096, k=128, out=64, seed=0):

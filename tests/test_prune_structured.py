@@ -1,4 +1,4 @@
-"""Structured pruning (kvserve/prune/structured.py, importance.py): nothing removed is the same
+"""Structured pruning (kvserve/compress/prune/structured.py, importance.py): nothing removed is the same
 model bit for bit; each kind gives a smaller config whose folder we and HF transformers load with
 the same logits; the importance scores find units made inert by hand."""
 from __future__ import annotations
@@ -8,11 +8,16 @@ import dataclasses
 import pytest
 import torch
 
+from kvserve.compress.prune.importance import (
+    channel_importance,
+    compute_importance,
+    head_importance,
+    layer_importance,
+    neuron_importance,
+)
+from kvserve.compress.prune.structured import count_params, kept_width, structured_prune
 from kvserve.loading import load_model
 from kvserve.loading.save import save_model
-from kvserve.prune.importance import (channel_importance, compute_importance, head_importance, layer_importance,
-                                      neuron_importance)
-from kvserve.prune.structured import count_params, kept_width, structured_prune
 from tests.logits import all_position_logits
 
 IDS = [2, 5, 17, 40, 3, 99, 250, 7, 11, 64, 128, 300, 1, 42, 8, 19, 23]
@@ -139,7 +144,7 @@ def test_inert_neurons_heads_and_channels_rank_least_important(sources, kind):
     assert torch.equal(head_importance(m, calib(), criterion="contribution"), imp.heads)
     assert torch.equal(channel_importance(m, calib()), imp.channels)
     # and pruning removes them
-    from kvserve.prune.structured import plan_pruning
+    from kvserve.compress.prune.structured import plan_pruning
 
     plan = plan_pruning(cfg, imp, prune_heads=2, ffn_keep=0.5, hidden_keep=0.75)
     assert neuron not in plan.neurons[0].tolist() and head not in plan.heads[2].tolist()
@@ -157,7 +162,7 @@ def test_gemma_hidden_pruning_keeps_the_embedding_scale_and_the_tied_head(source
     loaded = load_model(sources / "gemma3")
     imp = compute_importance(loaded.model, calib())
     pruned = structured_prune(loaded, calibration=None, importance=imp, hidden_keep=0.75)
-    from kvserve.prune.structured import plan_pruning
+    from kvserve.compress.prune.structured import plan_pruning
 
     ch = plan_pruning(loaded.config, imp, hidden_keep=0.75).channels
     ids = torch.tensor(IDS)
@@ -196,8 +201,8 @@ def test_removing_something_needs_calibration(sources):
 
 
 def test_importance_of_another_shape_is_refused_and_hand_made_scores_drive_the_plan(sources, tmp_path):
+    from kvserve.compress.prune.importance import Importance
     from kvserve.model.config import FULL
-    from kvserve.prune.importance import Importance
 
     gemma, llama = load_model(sources / "gemma3"), load_model(sources / "llama")
     imp = compute_importance(gemma.model, calib())

@@ -1,4 +1,4 @@
-"""AWQ (kvserve/quant/awq.py): layer error vs RTN, exact scale folding on tiny Llama / Gemma 3
+"""AWQ (kvserve/compress/quant/awq.py): layer error vs RTN, exact scale folding on tiny Llama / Gemma 3
 (the (1 + w) RMSNorm), and the whole-model pipeline."""
 from __future__ import annotations
 
@@ -8,11 +8,17 @@ import math
 import pytest
 import torch
 
-from kvserve.eval import ppl as ev
+from kvserve.compress.quant import QuantSpec, quantize_model, quantize_rtn
+from kvserve.compress.quant.awq import (
+    AWQQuantizer,
+    awq_layer,
+    fold_scales,
+    scale_groups,
+    search_clip,
+)
+from kvserve.compress.quant.calibrate import Calibrator, calibration_windows
 from kvserve.loading import load_model
-from kvserve.quant import QuantSpec, quantize_model, quantize_rtn
-from kvserve.quant.awq import AWQQuantizer, awq_layer, fold_scales, scale_groups, search_clip
-from kvserve.quant.calibrate import Calibrator, calibration_windows
+from kvserve.tools.eval import ppl as ev
 from tests.test_quant_gptq import correlated_layer, out_err
 from tests.tiny_models import VOCAB, make_model
 

@@ -1,4 +1,4 @@
-"""The token-embedding lookup from low-bit codes (kvserve/quant/embedding.py): rows read straight
+"""The token-embedding lookup from low-bit codes (kvserve/weights/embedding.py): rows read straight
 from the packed layouts equal the dequantized table, a tied model's lookup shares the quantized
 head, and both forms save and load back bitwise."""
 from __future__ import annotations
@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvserve.compress.quant import QuantSpec, quantize_model
+from kvserve.compress.quant.apply import model_weight_bytes
 from kvserve.loading import load_model
-from kvserve.quant import QuantSpec, quantize_model
-from kvserve.quant.apply import model_weight_bytes
-from kvserve.quant.embedding import QuantEmbedding
-from kvserve.quant.io import save_quantized
-from kvserve.quant.linear import QuantLinear
-from kvserve.quant.packing import cpu_int4_pack, cpu_int4_rows, from_cpu_int4_layout
-from kvserve.quant.rtn import quantize_rtn
+from kvserve.loading.quantized import save_quantized
+from kvserve.weights.embedding import QuantEmbedding
+from kvserve.weights.linear import QuantLinear
+from kvserve.weights.packing import cpu_int4_pack, cpu_int4_rows, from_cpu_int4_layout
+from kvserve.weights.rtn import quantize_rtn
 from tests.logits import all_position_logits
 
 IDS = [2, 5, 17, 40, 3, 99, 250, 7, 11, 64, 128, 300, 1, 42, 8, 19, 23]
@@ -68,8 +68,8 @@ def test_quantized_lookup_matches_a_float_table_of_the_same_codes(sources, kind)
     report = quantize_model(model, "rtn", bits=4, group_size=128, skip=["layers."], embedding=True,
                             lm_head=False, progress=False) if not tied else None
     if tied:  # quantize_model(embedding=True) on an already quantized head: add the lookup alone
-        from kvserve.quant.apply import _quantize_embedding
-        from kvserve.quant.rtn import RTNQuantizer
+        from kvserve.weights.quantize import _quantize_embedding
+        from kvserve.weights.rtn import RTNQuantizer
 
         entry = _quantize_embedding(model, True, model.lm_head.spec, RTNQuantizer(model.lm_head.spec),
                                     torch.bfloat16, "auto")

@@ -1,4 +1,4 @@
-"""GPTQ (kvserve/quant/gptq.py), calibration (kvserve/quant/calibrate.py) and the sequential
+"""GPTQ (kvserve/compress/quant/gptq.py), calibration (kvserve/compress/quant/calibrate.py) and the sequential
 pipeline of quantize_model on a tiny random model."""
 from __future__ import annotations
 
@@ -7,12 +7,16 @@ import math
 import pytest
 import torch
 
-from kvserve.eval import ppl as ev
+from kvserve.compress.quant import QuantSpec, quantize_model, quantize_rtn
+from kvserve.compress.quant.calibrate import (
+    Calibrator,
+    calibration_path,
+    calibration_windows,
+)
+from kvserve.compress.quant.gptq import GPTQQuantizer, gptq_quantize
 from kvserve.loading import load_model
-from kvserve.quant import QuantSpec, quantize_model, quantize_rtn
-from kvserve.quant.calibrate import Calibrator, calibration_path, calibration_windows
-from kvserve.quant.gptq import GPTQQuantizer, gptq_quantize
-from kvserve.quant.spec import LayerStats
+from kvserve.tools.eval import ppl as ev
+from kvserve.weights.spec import LayerStats
 from tests.tiny_models import VOCAB, make_model
 
 

@@ -1,4 +1,4 @@
-"""Saving a quantized model as a folder and loading it back (kvserve/quant/io.py)."""
+"""Saving a quantized model as a folder and loading it back (kvserve/loading/quantized.py)."""
 from __future__ import annotations
 
 import json
@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvserve.compress.quant import quantize_model
 from kvserve.loading import load_model
 from kvserve.loading.errors import ModelLoadError
-from kvserve.quant import quantize_model
-from kvserve.quant.io import pack_to_int32, save_quantized, unpack_from_int32
-from kvserve.quant.linear import QuantLinear
+from kvserve.loading.quantized import pack_to_int32, save_quantized, unpack_from_int32
+from kvserve.weights.linear import QuantLinear
 
 ROOT = Path(__file__).resolve().parents[1]
 IDS = [2, 5, 17, 40, 3, 99, 250, 7, 11, 64, 128, 300, 1, 42, 8, 19, 23]
@@ -103,7 +103,7 @@ def test_save_then_load_in_a_fresh_process_gives_identical_logits(sources, tmp_p
 def test_other_grids_heads_and_act_order_round_trip(sources, tmp_path):
     """Asymmetric per-tensor int8, a 6-bit group grid on the dequant path with act-order g_idx,
     a quantized tied LM head and skipped (floating) layers: all come back bitwise."""
-    from kvserve.quant.spec import QuantizedWeight
+    from kvserve.weights.spec import QuantizedWeight
 
     loaded = load_model(sources["gemma3"])
     quantize_model(loaded.model, bits=8, sym=False, granularity="tensor", skip=["layers.1."], lm_head=True,
@@ -112,7 +112,7 @@ def test_other_grids_heads_and_act_order_round_trip(sources, tmp_path):
     lin = loaded.model.layers[1].mlp.down_proj
     g = torch.Generator().manual_seed(0)
     k, n = lin.in_features, lin.out_features
-    from kvserve.quant import QuantSpec
+    from kvserve.compress.quant import QuantSpec
 
     spec = QuantSpec(bits=6, sym=False, granularity="group", group_size=64)
     qw = QuantizedWeight(torch.randint(0, 64, (n, k), generator=g, dtype=torch.int32),
@@ -223,9 +223,8 @@ def test_serve_runs_a_saved_folder(saved):
 
     import httpx
 
-    from tests.server_harness import free_socket
-
     from kvserve import LLM, SamplingParams
+    from tests.server_harness import free_socket
 
     want = LLM(str(saved)).generate("The quick", SamplingParams(max_tokens=6, temperature=0.0))[0].outputs[0].text
     with free_socket() as sock:
@@ -257,8 +256,8 @@ def test_serve_runs_a_saved_folder(saved):
 
 def test_unrounded_int4_scales_still_round_trip_bitwise(sources, tmp_path):
     """Scales not representable in the kernel's bf16: the float zero table is saved as well."""
-    from kvserve.quant import QuantSpec
-    from kvserve.quant.spec import QuantizedWeight
+    from kvserve.compress.quant import QuantSpec
+    from kvserve.weights.spec import QuantizedWeight
 
     loaded = load_model(sources["llama"])
     g = torch.Generator().manual_seed(1)

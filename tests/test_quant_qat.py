@@ -1,4 +1,4 @@
-"""QAT (kvserve/quant/qat.py): the fake-quantized forward is the RTN model, the straight-through
+"""QAT (kvserve/compress/quant/qat.py): the fake-quantized forward is the RTN model, the straight-through
 gradient is the gradient at the rounded weight, conversion packs exactly the trained grid, and a
 short fine-tune beats RTN at the same bit width."""
 from __future__ import annotations
@@ -7,10 +7,15 @@ import pytest
 import torch
 from torch import nn
 
+from kvserve.compress.quant import quantize_model
+from kvserve.compress.quant.qat import (
+    FakeQuantLinear,
+    convert_qat,
+    prepare_qat,
+    qat_spec,
+)
 from kvserve.loading import load_model
-from kvserve.quant import quantize_model
-from kvserve.quant.linear import QuantLinear
-from kvserve.quant.qat import FakeQuantLinear, convert_qat, prepare_qat, qat_spec
+from kvserve.weights.linear import QuantLinear
 from tests.logits import all_position_logits
 
 IDS = [2, 5, 17, 40, 3, 99, 250, 7, 11, 64, 128, 300, 1, 42, 8, 19, 23]
@@ -75,8 +80,8 @@ def test_short_distillation_fine_tune_beats_rtn_on_held_out_windows(source):
     """3-bit QAT distilled from the float model: KL to it on windows it never trained on falls
     below RTN's (the prepared model before training IS the RTN model), and the packed model
     scores what the fake-quantized one did."""
-    from kvserve.quant.qat import qat
-    from kvserve.train import DistillLoss, TrainConfig
+    from kvserve.compress.quant.qat import qat
+    from kvserve.compress.train import DistillLoss, TrainConfig
 
     teacher = load_model(source).model
     student = load_model(source)
@@ -102,8 +107,8 @@ def test_short_distillation_fine_tune_beats_rtn_on_held_out_windows(source):
 def test_blockwise_qat_lowers_every_block_error_and_the_kl(source):
     """Block-wise QAT (the CPU default): every block's output error falls below RTN's on its
     training windows, and the packed model's KL to the float one on other windows falls too."""
-    from kvserve.quant.qat import qat_blockwise
-    from kvserve.train import DistillLoss
+    from kvserve.compress.quant.qat import qat_blockwise
+    from kvserve.compress.train import DistillLoss
 
     teacher = load_model(source).model
     g = torch.Generator().manual_seed(1)

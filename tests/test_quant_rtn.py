@@ -1,4 +1,4 @@
-"""RTN grids, int4 packing and QuantLinear's kernels (kvserve/quant)."""
+"""RTN grids, int4 packing and QuantLinear's kernels (kvserve/compress/quant)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -7,12 +7,27 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvserve.quant import (QuantLinear, QuantSpec, choose_kernel, compute_qparams, dequantize, fake_quantize,
-                           model_weight_bytes, quantize, quantize_model, quantize_rtn)
-from kvserve.quant.packing import (cpu_int4_pack, from_cpu_int4_layout, pack_int4, to_cpu_int4_layout,
-                                   unpack_int4)
-from kvserve.quant.rtn import grid_qparams
-from kvserve.quant.spec import QuantizedWeight
+from kvserve.compress.quant import (
+    QuantLinear,
+    QuantSpec,
+    choose_kernel,
+    compute_qparams,
+    dequantize,
+    fake_quantize,
+    model_weight_bytes,
+    quantize,
+    quantize_model,
+    quantize_rtn,
+)
+from kvserve.weights.packing import (
+    cpu_int4_pack,
+    from_cpu_int4_layout,
+    pack_int4,
+    to_cpu_int4_layout,
+    unpack_int4,
+)
+from kvserve.weights.rtn import grid_qparams
+from kvserve.weights.spec import QuantizedWeight
 
 HAS_INT4 = hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
 SPECS = [QuantSpec(bits=b, sym=s, granularity=g, group_size=gs)

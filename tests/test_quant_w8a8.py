@@ -1,4 +1,4 @@
-"""LLM.int8() (kvserve/quant/llm_int8.py) and SmoothQuant W8A8 (kvserve/quant/smoothquant.py)."""
+"""LLM.int8() (kvserve/compress/quant/llm_int8.py) and SmoothQuant W8A8 (kvserve/compress/quant/smoothquant.py)."""
 from __future__ import annotations
 
 import copy
@@ -7,10 +7,18 @@ import pytest
 import torch
 from torch import nn
 
-import kvserve.quant.llm_int8 as li8
-from kvserve.quant.llm_int8 import Int8Linear, int8_matmul, llm_int8_model
-from kvserve.quant.smoothquant import (W8A8Linear, collect_act_absmax, fold_into_norm, smooth_layer, smooth_model,
-                                       smoothing_scales, smoothquant_model, w8a8_model)
+import kvserve.compress.quant.llm_int8 as li8
+from kvserve.compress.quant.llm_int8 import Int8Linear, int8_matmul, llm_int8_model
+from kvserve.compress.quant.smoothquant import (
+    W8A8Linear,
+    collect_act_absmax,
+    fold_into_norm,
+    smooth_layer,
+    smooth_model,
+    smoothing_scales,
+    smoothquant_model,
+    w8a8_model,
+)
 
 K, N, M = 256, 128, 64
 OUTLIER_COLS = [3, 50, 111, 200]
@@ -169,7 +177,7 @@ def _windows(vocab, n=3, length=24, seed=5):
 
 
 def _model_logits(loaded, windows):
-    from kvserve.eval.ppl import window_hidden
+    from kvserve.tools.eval.ppl import window_hidden
 
     with torch.inference_mode():
         return loaded.model.compute_logits(window_hidden(loaded.model, windows).flatten(0, 1))

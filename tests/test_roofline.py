@@ -11,9 +11,14 @@ from dataclasses import replace
 
 import pytest
 
-from kvserve.analysis import roofline as rl
-from kvserve.analysis.presets import MODELS, hardware_preset, resolve_model, shape_from_hf_config
 from kvserve.cli import main
+from kvserve.tools.analysis import roofline as rl
+from kvserve.tools.analysis.presets import (
+    MODELS,
+    hardware_preset,
+    resolve_model,
+    shape_from_hf_config,
+)
 
 H100 = hardware_preset("H100")
 L13 = MODELS["llama-2-13b"]
@@ -171,7 +176,7 @@ def test_cli_plot_writes_pngs(tmp_path, capsys):
 
 
 def test_cli_measure_uses_this_machine(monkeypatch, capsys):
-    from kvserve.analysis import measure
+    from kvserve.tools.analysis import measure
 
     assert measure.matmul_flops(n=128, repeats=2) > 0
     monkeypatch.setattr(measure, "measure_hardware", lambda: rl.Hardware("probe", 1e11, 2e10, 16e9))
@@ -230,10 +235,10 @@ def test_cla_folder_config_matches_the_measured_pool(tmp_path):
     import json
 
     from kvserve import LLM
-    from kvserve.analysis.presets import shape_from_hf_config
-    from kvserve.convert.cla import share_kv
+    from kvserve.compress.convert.cla import share_kv
     from kvserve.loading import load_model
     from kvserve.loading.save import save_model
+    from kvserve.tools.analysis.presets import shape_from_hf_config
     from tests.tiny_models import make_model
 
     make_model("gemma3", tmp_path / "g")

@@ -60,7 +60,7 @@ def test_bf16_storage_and_quantized_models_refused(sources, tmp_path):
     out = save_model(loaded, tmp_path / "bf16", dtype=torch.bfloat16)
     back = load_model(out, dtype="bfloat16")
     assert back.model.embed_tokens.weight.dtype == torch.bfloat16
-    from kvserve.quant import quantize_model
+    from kvserve.compress.quant import quantize_model
 
     quantize_model(loaded.model, "rtn", bits=8, granularity="channel", progress=False)
     with pytest.raises(ValueError, match="save_quantized"):

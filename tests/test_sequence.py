@@ -1,5 +1,6 @@
 """Sequence.token_slice equals slicing the concatenated prompt + output (the hot path avoids it)."""
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvserve.sampling_params import SamplingParams
 from kvserve.sequence import Sequence

@@ -1,11 +1,11 @@
-"""kvserve/analysis/floor.py: the workload's unavoidable work, counted by hand on a toy model."""
+"""kvserve/tools/analysis/floor.py: the workload's unavoidable work, counted by hand on a toy model."""
 from __future__ import annotations
 
 import pytest
 
-from kvserve.analysis import floor as floor_module
-from kvserve.bench.throughput import Workload
 from kvserve.model.config import FULL, SLIDING, ModelConfig, RopeConfig
+from kvserve.tools.analysis import floor as floor_module
+from kvserve.tools.bench.throughput import Workload
 
 
 @pytest.fixture(scope="module")

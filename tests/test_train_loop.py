@@ -1,4 +1,4 @@
-"""The training building blocks (kvserve/train): windows, chunked losses, the resumable loop.
+"""The training building blocks (kvserve/compress/train): windows, chunked losses, the resumable loop.
 
 Oracles: losses formed from the full [rows, vocab] logits with torch's own functions, gradients
 of the unchunked loss, a run interrupted and resumed vs one run, and the loss going down on a
@@ -11,10 +11,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvserve.eval.ppl import make_windows, tokenize_file, window_hidden
+from kvserve.compress.train import (
+    DistillLoss,
+    LMLoss,
+    TrainConfig,
+    distill_loss,
+    lm_loss,
+    train,
+    trainable_parameters,
+    training_windows,
+)
 from kvserve.loading import load_model
-from kvserve.train import (DistillLoss, LMLoss, TrainConfig, distill_loss, lm_loss, train, trainable_parameters,
-                           training_windows)
+from kvserve.tools.eval.ppl import make_windows, tokenize_file, window_hidden
 
 TEXT = "The quick brown fox jumps over the lazy dog. Paged attention stores keys and values in blocks. " * 40
 

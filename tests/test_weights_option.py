@@ -16,8 +16,8 @@ from torch import nn
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
-from kvserve.quant.embedding import QuantEmbedding
-from kvserve.quant.linear import QuantLinear
+from kvserve.weights.embedding import QuantEmbedding
+from kvserve.weights.linear import QuantLinear
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of"]
 
@@ -94,8 +94,8 @@ def test_fp32_is_an_alias_of_float():
 
 
 def test_an_already_quantized_model_is_refused(tmp_path):
+    from kvserve.compress.quant.apply import quantize_model
     from kvserve.loading import load_model
-    from kvserve.quant.apply import quantize_model
     from tests.tiny_models import make_model
 
     make_model("llama", tmp_path / "llama")
@@ -124,9 +124,9 @@ def test_kernel_path_is_the_fp32_dequantized_product(monkeypatch, spec):
     weight up to fp32 rounding, each row bitwise what it is alone; more rows, that F.linear itself.
     K = 96: the kernels' wide and narrow loops both run; N = 144: whole row tiles and a short last one."""
     from kvserve.kernels import lowbit_lib
-    from kvserve.quant.linear import GEMV_MAX_ROWS
-    from kvserve.quant.rtn import quantize_rtn
-    from kvserve.quant.spec import QuantSpec
+    from kvserve.weights.linear import GEMV_MAX_ROWS
+    from kvserve.weights.rtn import quantize_rtn
+    from kvserve.weights.spec import QuantSpec
 
     if lowbit_lib() is None:
         pytest.skip("no C compiler")
@@ -156,7 +156,7 @@ def test_kernel_path_is_the_fp32_dequantized_product(monkeypatch, spec):
 
 
 def test_int4_tile_height_is_read_off_the_op():
-    from kvserve.quant.packing import cpu_int4_block_n
+    from kvserve.weights.packing import cpu_int4_block_n
 
     if not hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"):
         pytest.skip("this torch has no CPU int4 kernel")
@@ -168,8 +168,8 @@ def test_int4_tile_height_is_read_off_the_op():
 
 
 def test_int8_kernel_is_not_chosen_for_widths_pytorchs_op_gets_wrong():
-    from kvserve.quant.linear import choose_kernel
-    from kvserve.quant.spec import QuantSpec
+    from kvserve.weights.linear import choose_kernel
+    from kvserve.weights.spec import QuantSpec
 
     spec = QuantSpec(bits=8, sym=True, granularity="channel")
     assert choose_kernel(spec, 96, 80) == "int8"
@@ -182,9 +182,9 @@ def test_int8_kernel_is_not_chosen_for_widths_pytorchs_op_gets_wrong():
     ("int8", dict(bits=8, sym=False, granularity="channel")),
 ])
 def test_fused_rows_equal_the_separate_layers(kernel, spec):
-    from kvserve.quant.fuse import concat_rows
-    from kvserve.quant.rtn import quantize_rtn
-    from kvserve.quant.spec import QuantSpec
+    from kvserve.accel.fused_quant import concat_rows
+    from kvserve.weights.rtn import quantize_rtn
+    from kvserve.weights.spec import QuantSpec
 
     g = torch.Generator().manual_seed(0)
     s = QuantSpec(scale_dtype=torch.bfloat16, **spec)

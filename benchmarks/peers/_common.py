@@ -29,7 +29,6 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Protocol
 
-
 LLAMACPP_KV_MODES = ("unified", "per-sequence")  # llama.cpp batched-context KV layouts (adapter_llamacpp.py)
 RESULT_PREFIX = "PEERS_RESULT "  # marks the adapter's result line among an engine's own stdout logging
 

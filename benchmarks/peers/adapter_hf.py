@@ -1,8 +1,8 @@
 """HF transformers adapter (runs in the repo's .venv): the same GGUF, loaded by transformers'
-GGUF reader and dequantized to fp32 (`kvserve.bench.throughput._hf_model`), eager PyTorch.
+GGUF reader and dequantized to fp32 (`kvserve.tools.bench.throughput._hf_model`), eager PyTorch.
 
 Batch-1: `model.generate` (greedy, EOS ignored) with a streamer that timestamps every new
-token. Offline: `kvserve.bench.throughput.run_hf`, padded static batches in submission order
+token. Offline: `kvserve.tools.bench.throughput.run_hf`, padded static batches in submission order
 (each batch runs to its longest output), swept over the spec's batch sizes.
 """
 from __future__ import annotations
@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from _common import ThroughputRun, Timed, main, threads
 
 
@@ -38,7 +37,7 @@ class HfEngine:
     name = "hf"
 
     def __init__(self, spec: dict):
-        from kvserve.bench.throughput import _hf_model
+        from kvserve.tools.bench.throughput import _hf_model
 
         torch.set_num_threads(threads(spec))
         opts = spec.get("hf", {})
@@ -65,7 +64,7 @@ class HfEngine:
         return [f"static batch {b}" for b in self.batch_sizes]
 
     def throughput(self, prompts: list[list[int]], output_lens: list[int], setting: str) -> ThroughputRun:
-        from kvserve.bench.throughput import Workload, run_hf
+        from kvserve.tools.bench.throughput import Workload, run_hf
 
         b = int(setting.rsplit(" ", 1)[1])
         wl = Workload(prompts, output_lens)

@@ -2,7 +2,7 @@
 
 Batch-1 numbers come from kvserve's own request metrics (TTFT = arrival -> first token, TPOT =
 mean gap between output tokens), as `kvserve bench latency` reports them; the offline run is
-`kvserve.bench.throughput.run_kvserve` (continuous batching, --max-num-seqs from the spec).
+`kvserve.tools.bench.throughput.run_kvserve` (continuous batching, --max-num-seqs from the spec).
 
 One adapter, several engines (`adapter_kvserve.py SPEC OUT ENGINE`): the spec's ENGINE section
 gives the options; `weights` there ("int8", "int4") goes to every LLM built, which quantizes its
@@ -15,7 +15,6 @@ import sys
 import time
 
 import torch
-
 from _common import ThroughputRun, Timed, engine_name, main, threads
 
 
@@ -57,7 +56,7 @@ class KvserveEngine:
         return [f"max_num_seqs={n}" for n in self.max_num_seqs]
 
     def throughput(self, prompts: list[list[int]], output_lens: list[int], setting: str) -> ThroughputRun:
-        from kvserve.bench.throughput import Workload, run_kvserve
+        from kvserve.tools.bench.throughput import Workload, run_kvserve
 
         n = int(setting.split("=")[1])
         r = run_kvserve(self.loaded, Workload(prompts, output_lens), max_num_seqs=n, **self.engine_args)

@@ -26,7 +26,6 @@ import time
 from collections import deque
 
 import numpy as np
-
 from _common import LLAMACPP_KV_MODES, ThroughputRun, Timed, main, threads
 
 

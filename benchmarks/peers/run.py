@@ -126,9 +126,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build_spec(args: argparse.Namespace) -> dict:
     """The prompts every engine gets (token ids, fixed seed) and the per-engine options."""
-    from kvserve.bench.throughput import make_workload
     from kvserve.loading import load_model
     from kvserve.loading.loader import default_model_path
+    from kvserve.tools.bench.throughput import make_workload
 
     model_path = Path(args.model) if args.model else default_model_path()
     loaded = load_model(str(model_path))

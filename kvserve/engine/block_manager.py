@@ -51,7 +51,8 @@ import hashlib
 from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable, NamedTuple, Sequence as Seq
+from typing import TYPE_CHECKING, Callable, Iterable, NamedTuple
+from typing import Sequence as Seq
 
 if TYPE_CHECKING:
     from kvserve.sequence import Sequence

@@ -10,10 +10,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Callable
 
 import torch
 
+from kvserve.accel.prepare import prepare_model
 from kvserve.config import EngineConfig
 from kvserve.engine.block_manager import BlockManager
 from kvserve.engine.cuda_graphs import DecodeGraphs
@@ -23,8 +23,9 @@ from kvserve.loading import LoadedModel, load_model
 from kvserve.loading.loader import build_model
 from kvserve.model.attention import KVCache
 from kvserve.model.config import LayerGroup, ModelConfig, kv_layer_groups
-from kvserve.model.fused_linear import fuse_linear_projections
 from kvserve.model.streaming import StreamPolicy, layer_policies
+from kvserve.weights.linear import QuantLinear
+from kvserve.weights.quantize import rtn_quantize_model
 
 log = logging.getLogger(__name__)
 # StreamingLLM's default context cap: a position is only a stream index there (the model sees
@@ -49,49 +50,22 @@ def set_up_host(cfg: EngineConfig) -> None:
         keep_freed_memory()  # no page faults on each step's large temporaries
 
 
-def load_weights(cfg: EngineConfig, loaded: LoadedModel | None,
-                 pack_weights: Callable[..., None]) -> LoadedModel:
+def load_weights(cfg: EngineConfig, loaded: LoadedModel | None) -> LoadedModel:
     """The model as the engine computes with it: `loaded` (else cfg.model, loaded here), low-bit
-    when cfg.weights asks, packed for CPU decode steps by `pack_weights(model, what, head_only)`,
-    its projections fused on CUDA."""
+    when cfg.weights asks, then prepared with the fast paths the configuration allows
+    (kvserve/accel/prepare.py)."""
     out = low_bit_weights(loaded or load_model(cfg.model, cfg.dtype, cfg.device), cfg, owned=loaded is None)
-    pack_weights(out.model, "model", head_only=cfg.compile)
-    fuse_cuda_projections(out.model, cfg)
+    prepare_model(out.model, cfg.device, pack=cfg.pack_weights, head_only=cfg.compile, low_bit=cfg.weights != "float")
     return out
-
-
-def pack_weights(model: torch.nn.Module, cfg: EngineConfig, what: str, pack: Callable[..., int],
-                 head_only: bool = False) -> None:
-    """EngineConfig.pack_weights: fp32 weights on the CPU also packed for decode steps by `pack`
-    (kvserve/model/panels.py `use_panel_kernels`); `head_only` (compile): the LM head alone."""
-    if not cfg.pack_weights or cfg.device != "cpu" or next(model.parameters()).dtype != torch.float32:
-        return
-    t = time.perf_counter()
-    n = pack(model, head_only=head_only)
-    if n:
-        log.info("%s: %d weight matrices packed for decode steps in %.1f s", what, n, time.perf_counter() - t)
-
-
-def fuse_cuda_projections(model: torch.nn.Module, cfg: EngineConfig) -> None:
-    """CUDA float weights: q/k/v and gate/up as one matmul each (model/fused_linear.py; the
-    originals become views, no memory is added)."""
-    if torch.device(cfg.device).type != "cuda" or cfg.weights != "float":
-        return
-    n = fuse_linear_projections(model)
-    log.info("model: %d projections fused for CUDA (q/k/v, gate/up)", n)
 
 
 def low_bit_weights(loaded: LoadedModel, cfg: EngineConfig, owned: bool) -> LoadedModel:
     """EngineConfig.weights int8 / int4: RTN-quantize every linear layer, the LM head and the
-    embedding, onto the int8 / int4 kernels of kvserve/quant/linear.py (a copy when
-    the caller owns the model); q/k/v and gate/up fused (kvserve/quant/fuse.py)."""
+    embedding, onto the int8 / int4 kernels of kvserve/weights/linear.py (a copy when the caller
+    owns the model)."""
     kind = cfg.weights
     if kind == "float":
         return loaded
-    from kvserve.quant.apply import quantize_model
-    from kvserve.quant.fuse import fuse_projections
-    from kvserve.quant.linear import QuantLinear, use_gemv_kernels
-
     model = loaded.model
     if any(isinstance(m, QuantLinear) for m in model.modules()):
         raise ValueError(f"weights {kind!r}: {loaded.source} is already quantized (a kvserve quant folder); "
@@ -109,10 +83,8 @@ def low_bit_weights(loaded: LoadedModel, cfg: EngineConfig, owned: bool) -> Load
                              f"{sorted(widths)} of {loaded.source}")
         group = fits[0]
     t = time.perf_counter()
-    quantize_model(model, "rtn", bits=bits, group_size=group, granularity="channel" if bits == 8 else "group",
-                   sym=bits == 8, lm_head=True, embedding=True, progress=False)
-    fuse_projections(model)  # q/k/v and gate/up: one kernel call each
-    use_gemv_kernels(model)
+    rtn_quantize_model(model, bits, group, granularity="channel" if bits == 8 else "group", sym=bits == 8,
+                       lm_head=True, embedding=True, progress=False)
     log.info("weights %s: RTN-quantized every linear, the LM head and the embedding in %.1f s", kind,
              time.perf_counter() - t)
     return dataclasses.replace(loaded, model=model)

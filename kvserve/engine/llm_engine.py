@@ -22,7 +22,6 @@ from kvserve.engine.output_processor import OutputProcessor, RequestState
 from kvserve.engine.outputs import RequestOutput, error_reference
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.loading import LoadedModel
-from kvserve.model.panels import use_panel_kernels
 from kvserve.sampling import Sampler, SamplerOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.sequence import Sequence, SequenceStatus
@@ -38,7 +37,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
         self.config = cfg = config or EngineConfig()
         builder.set_up_host(cfg)
-        self.loaded = builder.load_weights(cfg, loaded, self._pack_weights)
+        self.loaded = builder.load_weights(cfg, loaded)
         self.model_config = mc = self.loaded.model.config
         self.tokenizer = self.loaded.tokenizer
         builder.check_model(cfg, mc)
@@ -51,7 +50,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, cfg.block_size, cfg.device,
                                   stream_policies=self.stream_policies, compile=cfg.compile)
         self.block_manager = builder.block_manager(cfg, self.num_blocks, self.layer_groups)
-        target = DraftTarget(self.loaded, self.runner, self.kv_cache, self.layer_groups, self._pack_weights)
+        target = DraftTarget(self.loaded, self.runner, self.kv_cache, self.layer_groups)
         self.spec_decoder = SpeculativeDecoder(cfg, target)
         self.draft_runner, self.spec_stats = self.spec_decoder.draft_runner, self.spec_decoder.stats
         self.max_model_len = builder.cap_max_model_len(self.max_model_len, self.block_manager, cfg,
@@ -77,11 +76,6 @@ class LLMEngine:
     @drafter.setter
     def drafter(self, drafter: Drafter | None) -> None:
         self.spec_decoder.drafter = drafter
-
-    def _pack_weights(self, model: torch.nn.Module, what: str, head_only: bool = False) -> None:
-        """builder.pack_weights with this module's use_panel_kernels: one name to patch (as
-        tests/test_panels.py does) covers the target and a draft model alike."""
-        builder.pack_weights(model, self.config, what, use_panel_kernels, head_only)
 
     def _cuda_graphs_apply(self) -> bool:
         """Decode steps through CUDA graphs: on CUDA when the configuration fits (a method of its

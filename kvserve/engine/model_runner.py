@@ -7,10 +7,18 @@ from typing import Sequence as Seq
 
 import torch
 
+from kvserve.accel.compiled import compile_step, run_compiled
+from kvserve.accel.decode_plan import run_decode_plan
+from kvserve.accel.greedy_head import greedy_tokens
 from kvserve.engine.cuda_graphs import DecodeGraphs
-from kvserve.model.attention import AttentionMetadata, DecodeBatch, KeptRows, KVCache, SeqAttention
+from kvserve.model.attention import (
+    AttentionMetadata,
+    DecodeBatch,
+    KeptRows,
+    KVCache,
+    SeqAttention,
+)
 from kvserve.model.base import CausalLM
-from kvserve.model.decode_plan import run_decode_plan
 from kvserve.model.streaming import PagedStreamingAttention, StreamPolicy
 
 
@@ -48,7 +56,7 @@ class ModelRunner:
         self._block_offsets = torch.arange(block_size, device=self.device)
         self.stream_policies = stream_policies
         self._rotary = [model.rotary[t] for t in model.config.layer_types]
-        self.compiled = model.compile_step() if compile else None
+        self.compiled = compile_step(model) if compile else None
         self.graphs: DecodeGraphs | None = None  # CUDA: captured decode steps (set by the engine)
 
     def _ctx_slots(self, block_table: Seq[int], ctx_len: int) -> torch.Tensor:
@@ -151,8 +159,7 @@ class ModelRunner:
         if replayed is not None:
             return replayed[0], None
         hidden = self._forward(inputs, None)
-        screen = getattr(self.model, "greedy_tokens", None)
-        tokens = screen(hidden) if screen is not None and hidden.shape[0] else None
+        tokens = greedy_tokens(self.model, hidden) if hidden.shape[0] else None
         if tokens is not None:
             return tokens, None
         if hidden.shape[0] == 0:
@@ -175,7 +182,7 @@ class ModelRunner:
         # the rows picked after the final norm.
         keep = self._kept_rows(inputs, meta, logit_rows, input_ids.shape[0])
         if self.compiled is not None and num_layers is None and meta.custom is None:
-            hidden = self.model.run_compiled(self.compiled, input_ids, positions, self.kv_cache, meta, keep)
+            hidden = run_compiled(self.model, self.compiled, input_ids, positions, self.kv_cache, meta, keep)
             return hidden if keep is not None else hidden.index_select(0, logit_rows)
         if num_layers is None and keep is None:  # a batch-1 decode step: every layer in one C call
             hidden = run_decode_plan(self.model, input_ids, positions, self.kv_cache, meta)

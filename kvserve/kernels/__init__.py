@@ -129,7 +129,7 @@ _SIGNATURES: dict[str, dict[str, tuple[list, object]]] = {
                                         _I], None)},  # a decode step's attention prologue
     "argmax": {"argmax_rows": ([_P, _P, _I, ctypes.c_int64, _I], None)},  # greedy picks
     "gelu": {"gelu_tanh_mul": ([_P, _P, _P, _I, _I, _L, _I], None)},  # Gemma's MLP activation
-    "decode_step": {"decode_layers": ([_P, _P, _P, _I, _P], ctypes.c_int)},  # model/decode_plan.py
+    "decode_step": {"decode_layers": ([_P, _P, _P, _I, _P], ctypes.c_int)},  # accel/decode_plan.py
     "panel_gemm": {"panel_width": ([], ctypes.c_int),  # fp32 decode-step matmuls on packed weights
                    "pack_panels": ([_P, _P, _I, _I, _I], None),
                    "panel_gemm": ([_P, _P, _P, _I, _I, _I, _I], None)},
@@ -141,7 +141,7 @@ _SIGNATURES: dict[str, dict[str, tuple[list, object]]] = {
 
 def kernel_lib(source: str) -> ctypes.CDLL | None:
     """kernels/<source>.c compiled, loaded and its functions typed (see _SIGNATURES), or None;
-    None also while torch.compile traces (kvserve/model/compiled.py): the graph gets the torch
+    None also while torch.compile traces (kvserve/accel/compiled.py): the graph gets the torch
     ops each wrapper falls back to, as dynamo cannot trace a ctypes call."""
     return None if torch.compiler.is_compiling() else _typed_lib(source)
 
@@ -271,7 +271,7 @@ def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> to
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
               block_n: int) -> torch.Tensor | None:
     """y [M, N] fp32 = x [M, K] fp32 @ W^T for W held in `_weight_int4pack_mm_for_cpu`'s layout
-    (qweight uint8 [N, K/2] in tiles of block_n rows, kvserve/quant/packing.py; scales_and_zeros
+    (qweight uint8 [N, K/2] in tiles of block_n rows, kvserve/weights/packing.py; scales_and_zeros
     [K/g, N, 2] bf16 or fp32: W = (u - 8) s + z), with the C kernel for a few rows (each computed
     as it would be alone); None when it is unavailable or does not take this tile height."""
     lib = lowbit_lib()
@@ -511,7 +511,9 @@ def _triton_decode(q, k_pool, v_pool, tables, starts, lens, block_size: int, sca
                    max_len: int | None) -> torch.Tensor | None:
     if not _triton_fits(q, k_pool, v_pool):
         return None
-    from kvserve.kernels import triton_attention  # Triton comes with CUDA builds of torch only
+    from kvserve.kernels import (
+        triton_attention,  # Triton comes with CUDA builds of torch only
+    )
 
     return triton_attention.paged_decode(q, k_pool, v_pool, tables, starts, lens, block_size, scale, max_len)
 
@@ -520,7 +522,9 @@ def _triton_prefill(q, k_pool, v_pool, slots, first_kv: int, first_q: int, windo
                     out: torch.Tensor | None) -> torch.Tensor | None:
     if not _triton_fits(q, k_pool, v_pool) or (out is not None and out.stride(-1) != 1):
         return None
-    from kvserve.kernels import triton_attention  # Triton comes with CUDA builds of torch only
+    from kvserve.kernels import (
+        triton_attention,  # Triton comes with CUDA builds of torch only
+    )
 
     return triton_attention.paged_prefill(q, k_pool, v_pool, slots, first_kv, first_q, window, scale, out=out)
 
@@ -536,7 +540,9 @@ def norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) -
     None elsewhere."""
     if not _cuda_float(x, weight):
         return None
-    from kvserve.kernels import triton_ops  # Triton comes with CUDA builds of torch only
+    from kvserve.kernels import (
+        triton_ops,  # Triton comes with CUDA builds of torch only
+    )
 
     return triton_ops.rms_norm(x, weight, eps, offset)
 
@@ -547,7 +553,9 @@ def residual_norm_rows(x: torch.Tensor, residual: torch.Tensor, eps: float, offs
     (h, norm(h)); None elsewhere or for shapes that differ."""
     if not (_cuda_float(x, residual, w1, w2) and x.shape == residual.shape):
         return None
-    from kvserve.kernels import triton_ops  # Triton comes with CUDA builds of torch only
+    from kvserve.kernels import (
+        triton_ops,  # Triton comes with CUDA builds of torch only
+    )
 
     return triton_ops.residual_norm(x, residual, eps, offset, w1, w2)
 
@@ -563,7 +571,9 @@ def norm_rope_write_rows(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tenso
     if k is not None and not (k.stride(-1) == 1 and v.stride(-1) == 1 and k_pool.dtype == q.dtype
                               and k_pool.is_contiguous() and v_pool.is_contiguous()):
         return None
-    from kvserve.kernels import triton_ops  # Triton comes with CUDA builds of torch only
+    from kvserve.kernels import (
+        triton_ops,  # Triton comes with CUDA builds of torch only
+    )
 
     cos, sin = cos.contiguous(), sin.contiguous()
     out = triton_ops.norm_rope(q, q_norm, cos, sin)
@@ -577,6 +587,8 @@ def gated_act_rows(gate: torch.Tensor, up: torch.Tensor, gelu_tanh: bool) -> tor
     elsewhere."""
     if not (_cuda_float(gate, up) and gate.shape == up.shape and gate.stride(-1) == 1 and up.stride(-1) == 1):
         return None
-    from kvserve.kernels import triton_ops  # Triton comes with CUDA builds of torch only
+    from kvserve.kernels import (
+        triton_ops,  # Triton comes with CUDA builds of torch only
+    )
 
     return triton_ops.gated_act(gate, up, gelu_tanh)

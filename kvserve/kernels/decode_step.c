@@ -3,7 +3,7 @@
  * Why: at one token per step each layer is ~10 kernel calls and ~25 small torch ops whose Python
  * and dispatch overhead (~0.6-0.8 ms a layer on this project's 2-core machines) cost as much as
  * the weights' stream. Here the same kernels run back to back from C: the other kernel libraries'
- * functions are passed in as pointers (kvserve/model/decode_plan.py takes them from their ctypes
+ * functions are passed in as pointers (kvserve/accel/decode_plan.py takes them from their ctypes
  * handles), so every number is what the Python path computes, bit for bit.
  *
  * Per layer, h [hidden] fp32 in place:

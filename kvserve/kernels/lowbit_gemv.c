@@ -1,10 +1,10 @@
 /* A few activation rows times a low-bit weight matrix (decode steps), on the layouts that
- * kvserve.quant.linear.QuantLinear stores for PyTorch's kernels, so no second copy of the weights:
+ * kvserve.weights.linear.QuantLinear stores for PyTorch's kernels, so no second copy of the weights:
  *
  * int8_gemv: y[m, n] = scale[n] * sum_k x[m, k] w[n, k] with fp32 sums; w int8 [N, K] row-major
  *   (a symmetric grid, `_weight_int8pack_mm`'s layout), scale [N] fp32.
  * int4_gemv: y[m, n] = sum_k x[m, k] ((u[n, k] - 8) s[g, n] + z[g, n]), g = k / group, on the
- *   tiled layout of `_weight_int4pack_mm_for_cpu` (kvserve/quant/packing.py): in each block of B
+ *   tiled layout of `_weight_int4pack_mm_for_cpu` (kvserve/weights/packing.py): in each block of B
  *   output rows (B = 64 where PyTorch runs AVX-512, 32 with AVX2: the caller says which) the
  *   bytes run k-major, B/2 per input column, byte j holding rows j (low nibble) and j + B/2
  *   (high); a last block of r < B rows holds rows 2j and 2j + 1 in byte j. sz is the

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+
 @triton.jit
 def _round(x, like):
     """x (fp32) rounded to nearest-even in the element type of the pointer `like`, back in fp32,

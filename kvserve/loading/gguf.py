@@ -9,8 +9,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
+from gguf.quants import dequantize
+from safetensors.torch import save_file
 
 from kvserve.loading.cache import atomic_write_bytes, entry_dir, replace_atomically
 from kvserve.loading.errors import ModelLoadError
@@ -47,8 +50,6 @@ _GLOBAL_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": 
 
 
 def open_gguf(path: Path):
-    import gguf
-
     try:
         return gguf.GGUFReader(str(path))
     except Exception as e:  # truncated or corrupt files fail deep inside numpy
@@ -186,8 +187,6 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def gguf_state_dict(reader, cfg: ModelConfig, path: Path) -> dict[str, torch.Tensor]:
     """Every tensor dequantized to fp32, under our parameter names."""
-    from gguf.quants import dequantize
-
     sd: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         name = _param_name(t.name, cfg.family)
@@ -225,8 +224,6 @@ def load_gguf(path: Path) -> tuple[ModelConfig, Path, Path]:
 
 
 def _convert(path: Path, cfg_file: Path, weights: Path, tok_file: Path) -> None:
-    from safetensors.torch import save_file
-
     reader = open_gguf(path)
     cfg = read_gguf_config(reader, path)
     sd = gguf_state_dict(reader, cfg, path)

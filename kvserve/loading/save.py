@@ -4,7 +4,7 @@ tokenizer side files of an HF source folder, or the chat template written out) a
 `model.safetensors` under HF tensor names (`model.layers.0.self_attn.q_proj.weight`, ...).
 
 `save_model` writes a dense model (pruned, distilled, converted: whatever the ModelConfig now
-says, e.g. fewer layers or a narrower MLP). The quantized writer (kvserve/quant/io.py) shares
+says, e.g. fewer layers or a narrower MLP). The quantized writer (kvserve/loading/quantized.py) shares
 the config and side-file helpers. Before the weights are written the config is read back
 through `read_hf_config` and must give the same ModelConfig, so a field the HF vocabulary
 cannot say fails at save time, not at load time.
@@ -18,8 +18,13 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from kvserve.loading.cache import fsync_path, temp_sibling
+from kvserve.loading.hf import read_hf_config
+from kvserve.loading.serialize import config_to_dict
+from kvserve.model.config import FULL, SLIDING
+from kvserve.weights.spec import is_quantized_module
 
 WEIGHTS_FILE = "model.safetensors"
 _TOKENIZER_EXTRAS = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -38,8 +43,6 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def hf_config_dict(cfg) -> dict:
     """A ModelConfig in the HF config.json vocabulary that kvserve/loading/hf.py reads."""
-    from kvserve.model.config import FULL, SLIDING
-
     gemma = cfg.family == "gemma3"
     model_type = "gemma3_text" if gemma else cfg.model_type
     if model_type not in _HF_ARCH:
@@ -77,8 +80,6 @@ def hf_config_dict(cfg) -> dict:
 
 def config_mismatches(a, b) -> list[str]:
     """Fields where two ModelConfigs differ (rope compared as dicts; names and templates skipped)."""
-    from kvserve.loading.serialize import config_to_dict
-
     da, db = config_to_dict(a), config_to_dict(b)
     # add_bos_token lives in tokenizer_config.json (written there), which read_hf_config does not read.
     skip = {"model_type", "chat_template", "add_bos_token"}
@@ -121,10 +122,6 @@ def write_folder(out: Path, cfg, hf: dict, tensors: dict[str, torch.Tensor], tok
 
 def _write_staged(folder: Path, cfg, hf: dict, tensors: dict[str, torch.Tensor], tokenizer, src: Path | None,
                   metadata: dict[str, str] | None) -> None:
-    from safetensors.torch import save_file
-
-    from kvserve.loading.hf import read_hf_config
-
     if isinstance(tokenizer, (str, Path)):
         shutil.copyfile(tokenizer, folder / "tokenizer.json")
     else:
@@ -172,14 +169,14 @@ def save_model(model, out_dir: str | Path, *, source: str | Path | None = None, 
 
     config: the ModelConfig to write (default model.config: a transform that changed the shape
     updates it). dtype: store floating tensors in this dtype (default: as in memory).
-    A model holding quantized modules is refused (kvserve.quant.io.save_quantized writes those).
+    A model holding quantized modules is refused (kvserve.loading.quantized.save_quantized writes those).
     """
     model, source, tokenizer = unpack_loaded(model, source, tokenizer, "save_model")
     cfg = config if config is not None else model.config
     for name, mod in model.named_modules():
-        if type(mod).__module__.startswith("kvserve.quant"):
+        if is_quantized_module(mod):
             raise ValueError(f"save_model: module {name!r} ({type(mod).__name__}) is quantized; "
-                             f"save it with kvserve.quant.io.save_quantized")
+                             f"save it with kvserve.loading.quantized.save_quantized")
     tensors: dict[str, torch.Tensor] = {}
     for name, t in model.state_dict().items():
         t = t.detach()
@@ -196,7 +193,7 @@ def save_model(model, out_dir: str | Path, *, source: str | Path | None = None, 
 
 def _unshare(tensors: dict[str, torch.Tensor]) -> None:
     """Copy the tensors that are views of one storage (fused q/k/v rows on CUDA,
-    model/fused_linear.py): safetensors refuses shared memory."""
+    accel/fused_linear.py): safetensors refuses shared memory."""
     storages: dict[int, int] = {}
     for t in tensors.values():
         key = t.untyped_storage().data_ptr()

@@ -5,6 +5,7 @@ vocabulary with transformers' GGUF converter (so ids equal HF's exactly) and cac
 """
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Sequence
 
@@ -48,13 +49,14 @@ class Tokenizer:
 def convert_gguf_tokenizer(gguf_path: Path, out_path: Path) -> None:
     """One-time conversion of a GGUF vocabulary to tokenizer.json (needs `transformers`)."""
     try:
-        from transformers import AutoTokenizer  # heavy; imported only for this conversion
+        from transformers import (
+            AutoTokenizer,  # heavy; imported only for this conversion
+        )
     except ImportError:
         raise ModelLoadError(
             gguf_path, "converting its tokenizer (once per file) needs the 'transformers' package: "
             "pip install 'kvserve[convert]'"
         ) from None
-    import tempfile
 
     # Convert from a folder holding only a link to the GGUF: a tokenizer.json lying beside the
     # file would otherwise be picked up by transformers instead of the GGUF's own vocabulary.

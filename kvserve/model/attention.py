@@ -14,12 +14,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.kernels import norm_rope_write, norm_rope_write_rows, paged_decode_attention, prefill_attention
+from kvserve.kernels import (
+    norm_rope_write,
+    norm_rope_write_rows,
+    paged_decode_attention,
+    prefill_attention,
+)
 from kvserve.kernels.host_memory import empty_huge
 from kvserve.model.config import ModelConfig
-from kvserve.model.layers import RMSNorm, apply_rope
-from kvserve.model.panels import Panels, fused_panels
-
+from kvserve.model.layers import PackedMatmul, RMSNorm, apply_rope
 
 # KV-cache storage formats besides the model's dtype: codes plus one fp32 scale per (token, KV
 # head), absmax / qmax, so attention dequantizes on read (the max a code may take).
@@ -306,13 +309,13 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias) if self.computes_kv else None
         self.v_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias) if self.computes_kv else None
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
-        # q, k and v as one low-bit matmul (kvserve/quant/fuse.py, set by the engine's --weights
+        # q, k and v as one low-bit matmul (kvserve/accel/fused_quant.py, set by the engine's --weights
         # path, which then drops q/k/v_proj): one kernel call instead of three per decode step.
         self.qkv_proj: nn.Module | None = None
         self.qkv_sizes = (q_size, kv_size, kv_size)
         # The fp32 path's counterpart: q/k/v packed as one panel matrix for decode steps
-        # (model/panels.py; set by `fuse_panels`), the Linears kept for prefill.
-        self.qkv_panels: Panels | None = None
+        # (set by kvserve/accel/panels.py), the Linears kept for prefill.
+        self.qkv_panels: PackedMatmul | None = None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, offset=gemma_norm)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, offset=gemma_norm) if self.computes_kv else None
@@ -461,11 +464,6 @@ class Attention(nn.Module):
         got = prefill_attention(q, k_pool, v_pool, s.ctx_slots[first_kv:], first_kv, s.ctx_len - s.q_len,
                                 self.window, self.scale, out=out)
         return got is not None
-
-    def fuse_panels(self) -> None:
-        """Pack q/k/v (bias-free PanelLinears) as one matrix; idempotent."""
-        if self.computes_kv:
-            self.qkv_panels = fused_panels(self.qkv_panels, self.q_proj, self.k_proj, self.v_proj)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """x [T, hidden] -> q [T, H, D], k and v [T, KVH, D] (None for a layer reusing another's K/V)."""

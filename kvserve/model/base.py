@@ -10,20 +10,16 @@ import math
 import torch
 from torch import nn
 
-from kvserve import kernels
 from kvserve.model.attention import AttentionMetadata, KeptRows, KVCache
 from kvserve.model.config import ModelConfig
-from kvserve.model.greedy_head import GreedyHead
-from kvserve.model.layers import RMSNorm, RotaryEmbedding
-from kvserve.model.panels import PanelLinear, Panels
+from kvserve.model.layers import PackedMatmul, RMSNorm, RotaryEmbedding
 
 
 class CausalLM(nn.Module):
     layer_cls: type[nn.Module]
     gemma_norm: bool = False  # RMSNorm weights stored as (w - 1), applied as (1 + w)
     scale_embedding: bool = False  # multiply embeddings by sqrt(hidden_size)
-    head_panels: Panels | None = None  # a tied head packed for decode steps (model/panels.py)
-    greedy_head: GreedyHead | None = None  # the packed head's int8 screen for greedy rows (model/greedy_head.py)
+    head_panels: PackedMatmul | None = None  # a tied head packed for decode steps (kvserve/accel/panels.py)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -85,39 +81,21 @@ class CausalLM(nn.Module):
         """(cos, sin) at `positions` for each layer type's rotary table."""
         return {t: rot.cos_sin(positions, dtype) for t, rot in self.rotary.items()}
 
-    def compile_step(self, **options):
-        """`step_graph` through torch.compile, dynamic in the token count (kvserve/model/compiled.py);
-        `options` go to torch.compile. Run it with `run_compiled`. The graph is built on the first
-        step of each shape class (one token, several): that step pays the warm-up."""
-        from kvserve.model.compiled import check_compilable
-
-        check_compilable(self)
-        return torch.compile(self.step_graph, dynamic=True, **options)
-
     def step_graph(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """What torch.compile traces: input_ids, positions [T] -> final hidden states [T, hidden]
-        (normed), every layer's attention an opaque op reading the step context."""
+        """What torch.compile traces (kvserve/accel/compiled.py): input_ids, positions [T] -> final
+        hidden states [T, hidden] (normed), every layer's attention an opaque op reading the step
+        context."""
         h = self.embed(input_ids)
         cos_sin = self.rope_tables(positions, h.dtype)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos_sin[self.config.layer_types[i]], None, None)
         return self.norm(h)
 
-    def run_compiled(self, compiled, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-                     meta: AttentionMetadata, keep: KeptRows | None = None) -> torch.Tensor:
-        """forward (every layer, no custom attention hook) through `compiled` (compile_step's)."""
-        from kvserve.model.compiled import step_context
-
-        with step_context(self, kv_cache, meta):
-            h = compiled(input_ids, positions)
-        # Every row ran (the graph has no kept-row form); the norm is per row, so picking after is equal.
-        return h if keep is None else h.index_select(0, keep.rows)
-
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab], fp32 unless upcast=False (then the model's
         dtype: a greedy-only bf16 batch picks its tokens without the ~20 ms fp32 copy of
         [64, 262144] logits; the sampler upcasts when it needs to)."""
-        # A module head (untied, or a quantized head from kvserve.quant) is called; a tied one
+        # A module head (untied, or a quantized head: kvserve/weights/linear.py) is called; a tied one
         # multiplies by the embedding table.
         head = self.lm_head
         if head is None:
@@ -131,33 +109,6 @@ class CausalLM(nn.Module):
             return torch.tanh(logits.float() / cap) * cap
         return logits.float() if upcast else logits
 
-    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """hidden [N, hidden] -> [N] int64, each row's first index of the maximum of
-        compute_logits(hidden) (bitwise the same logits), through the head's int8 screen; None
-        where there is none (no packed fp32 head, logit soft-capping)."""
-        screen = self.greedy_head
-        if screen is None or self.config.final_logit_softcapping or screen.panels is not self._packed_head():
-            return None
-        found = screen.tokens(hidden)
-        if found is None:
-            return None
-        tokens, unsettled = found
-        if unsettled:  # rare: too many near-ties, or a zero row; the full logits of those rows
-            idx = torch.tensor(unsettled)
-            logits = self.compute_logits(hidden.index_select(0, idx), upcast=False)
-            picked = kernels.argmax_rows(logits)
-            tokens[idx] = logits.max(dim=-1).indices if picked is None else picked
-        return tokens
-
-    def _packed_head(self) -> Panels | None:
-        """The packed copy compute_logits multiplies the head with (panel kernel), or None."""
-        head = self.lm_head
-        if head is None:
-            return self.head_panels
-        if type(head) is PanelLinear and head.bias is None:
-            return head.panels
-        return None
-
 
 # MKL's fp32 GEMM takes a slow path for a handful of rows against a tall LM head: measured on a
 # 2-core Xeon (262144 x 640 head), 8 rows cost 121 ms and 14 rows 179 ms, 16 rows 54 ms.
@@ -166,7 +117,7 @@ HEAD_PAD_ROWS = 16
 
 
 def head_matmul(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                panels: Panels | None = None) -> torch.Tensor:
+                panels: PackedMatmul | None = None) -> torch.Tensor:
     """hidden [N, d] @ weight [vocab, d]^T (+ bias) -> [N, vocab]: the packed copy's kernel for a
     decode step when there is one, else MKL, padding 5..15 rows to 16 on CPU fp32."""
     if panels is not None:
@@ -184,7 +135,7 @@ def head_matmul(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 def stored_weight_bytes(model: nn.Module) -> int:
     """Bytes of every distinct stored tensor: parameters and persistent buffers (packed codes,
     scales of quantized layers), a tied LM head once, and views of one storage (fused q/k/v rows,
-    model/fused_linear.py) by the bytes they cover together; non-persistent buffers (rotary
+    accel/fused_linear.py) by the bytes they cover together; non-persistent buffers (rotary
     tables) are not weights."""
     spans: dict[int, list[tuple[int, int]]] = {}
     for t in model.state_dict(keep_vars=True).values():

@@ -67,7 +67,7 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False  # rotary pairs (x0, x1), (x2, x3), ... (DeepSeek) instead of halves
-    # Cross-layer KV sharing (CLA, kvserve/convert/cla.py): kv_source[i] is the layer whose K/V layer i
+    # Cross-layer KV sharing (CLA, kvserve/compress/convert/cla.py): kv_source[i] is the layer whose K/V layer i
     # attends over (i itself when it computes its own). A reusing layer has no k_proj / v_proj and
     # the pool holds no K/V for it. None: every layer computes its own.
     kv_source: tuple[int, ...] | None = None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -11,7 +12,14 @@ from kvserve.kernels import add_rms_norm as add_rms_norm_kernel
 from kvserve.kernels import gated_act_rows, gelu_tanh_mul, norm_rows, residual_norm_rows
 from kvserve.kernels import rms_norm as rms_norm_kernel
 from kvserve.model.config import RopeConfig
-from kvserve.model.panels import Panels, fused_panels
+
+
+class PackedMatmul(Protocol):
+    """A fast path's copy of one or more weights stacked by rows (kvserve/accel/panels.py packs
+    them for the CPU decode-step kernel): x [..., K] -> [..., sum of rows], or None where it does
+    not apply (then the model's own Linears compute)."""
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None: ...
 
 
 class RMSNorm(nn.Module):
@@ -171,13 +179,11 @@ class GatedMLP(nn.Module):
         # fp32 CPU rows of Gemma's gelu_tanh(gate) * up take one C call (kernels/gelu.c) on every
         # path, the decode-step kernel included, so all of them compute the same numbers.
         self.gelu_tanh = act in ("gelu_pytorch_tanh", "gelu_tanh")
-        # gate and up as one low-bit matmul (kvserve/quant/fuse.py; gate/up_proj are then dropped).
+        # gate and up as one low-bit matmul (kvserve/accel/fused_quant.py; gate/up_proj are then dropped).
         self.gate_up_proj: nn.Module | None = None
-        self.gate_up_panels: Panels | None = None  # fp32 decode steps: one packed matrix (fuse_panels)
-
-    def fuse_panels(self) -> None:
-        """Pack gate/up (bias-free PanelLinears) as one matrix; idempotent."""
-        self.gate_up_panels = fused_panels(self.gate_up_panels, self.gate_proj, self.up_proj)
+        # gate and up packed as one matrix for decode steps (set by kvserve/accel/panels.py), the
+        # Linears kept for prefill.
+        self.gate_up_panels: PackedMatmul | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = None

@@ -221,7 +221,7 @@ class Sampler:
     @staticmethod
     def greedy_only(requests: list[SamplingRequest]) -> bool:
         """Every request takes the argmax of its raw logits and reports no logprobs: the engine
-        may pick the tokens without the logits (CausalLM.greedy_tokens)."""
+        may pick the tokens without the logits (kvserve/accel/greedy_head.py)."""
         return all(_plain_greedy(r) for r in requests)
 
     def __call__(self, logits: torch.Tensor, requests: list[SamplingRequest]) -> SamplerOutput:

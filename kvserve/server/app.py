@@ -26,7 +26,12 @@ from kvserve.server.errors import APIError, error_body, install_handlers
 from kvserve.server.gateway import Gateway
 from kvserve.server.limits import RequestLimits
 from kvserve.server.metrics import CONTENT_TYPE, ServerMetrics
-from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from kvserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
 from kvserve.server.state import ServerState
 
 log = logging.getLogger(__name__)

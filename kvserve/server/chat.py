@@ -19,8 +19,17 @@ from kvserve.server.chat_template import ChatTemplateError
 from kvserve.server.errors import APIError, error_body, from_request_error
 from kvserve.server.logprobs import chat_logprobs, delta_logprobs
 from kvserve.server.params import check_context, sampling_params
-from kvserve.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                                     ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, Delta, Usage)
+from kvserve.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    Delta,
+    Usage,
+)
 from kvserve.server.state import Job, ServerState
 from kvserve.server.streams import DONE, SSEResponse, sse, unless_disconnected
 

@@ -15,7 +15,12 @@ from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.server.errors import APIError, error_body, from_request_error
 from kvserve.server.logprobs import completion_logprobs, delta_logprobs
 from kvserve.server.params import check_context, sampling_params
-from kvserve.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
+from kvserve.server.protocol import (
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    Usage,
+)
 from kvserve.server.state import Job, ServerState
 from kvserve.server.streams import DONE, SSEResponse, merge, sse, unless_disconnected
 

@@ -8,7 +8,12 @@ from __future__ import annotations
 
 from kvserve.engine.outputs import CompletionOutput
 from kvserve.loading.tokenizer import Tokenizer
-from kvserve.server.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+from kvserve.server.protocol import (
+    ChatLogprobs,
+    CompletionLogprobs,
+    TokenLogprob,
+    TopLogprob,
+)
 
 
 def token_text(tokenizer: Tokenizer, token_id: int) -> str:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
+from kvserve.accel.prepare import prepare_model
 from kvserve.config import EngineConfig
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -27,6 +27,7 @@ from kvserve.sampling.sampler import SamplerOutput, penalizes
 from kvserve.sequence import Sequence
 from kvserve.speculative.proposers import Draft, Drafter, ModelDrafter, NgramDrafter
 from kvserve.speculative.rejection import accept_greedy, rejection_sample
+from kvserve.weights.quantize import rtn_quantize_model
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +38,12 @@ Verified = tuple[Sequence, list[int], SamplerOutput | None]
 @dataclass
 class DraftTarget:
     """What a draft is built against: the target model, its runner (an early-exit draft runs on
-    it), its KV pool, whose block tables and layer groups a separate draft pool shares, and the
-    engine's decode-step weight packing `pack_weights(model, what)`, which a draft model gets too."""
+    it) and its KV pool, whose block tables and layer groups a separate draft pool shares."""
 
     loaded: LoadedModel
     runner: ModelRunner
     kv_cache: KVCache
     layer_groups: list[LayerGroup]
-    pack_weights: Callable[[torch.nn.Module, str], None]
 
 
 class SpeculativeDecoder:
@@ -95,12 +94,8 @@ class SpeculativeDecoder:
         draft = build_model(mc, model.state_dict(), dtype, cfg.device, target.loaded.source)
         what = f"{dtype}"
         if bits:
-            # Imported here: it defers the compression toolbox, which the serving stack does not
-            # otherwise import.
-            from kvserve.quant.apply import quantize_model
-
-            quantize_model(draft, "rtn", bits=bits, group_size=128, granularity="group" if bits == 4 else "channel",
-                           sym=bits == 8, lm_head=True, progress=False)
+            rtn_quantize_model(draft, bits, 128, granularity="group" if bits == 4 else "channel", sym=bits == 8,
+                               lm_head=True, progress=False)
             what = f"RTN int{bits} of {dtype}, LM head included"
         return self._separate_drafter(target, draft, layers,
                                       f"self draft ({what}, {layers} of {mc.num_layers} layers)", exit_at)
@@ -119,7 +114,7 @@ class SpeculativeDecoder:
             cache = KVCache(num_layers, target_cache.num_slots, heads, k_dim, kv_dtype, cfg.device,
                             v_head_dim=v_dim, kv_source=dc.kv_source)
         log.info("%s: its own KV pool %.2f GiB (same block tables as the target)", what, cache.nbytes / 2**30)
-        target.pack_weights(draft, "draft")
+        prepare_model(draft, cfg.device, pack=cfg.pack_weights, fuse_cuda=False, what="draft")
         self.draft_runner = ModelRunner(draft, cache, cfg.block_size, cfg.device)
         return ModelDrafter(self.draft_runner, num_layers=exit_at, separate_cache=True)
 

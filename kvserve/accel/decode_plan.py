@@ -1,0 +1,220 @@
+"""A batch-1 decode step's layer stack as one C call (kvserve/kernels/decode_step.c).
+
+At one token per step each Gemma 3 layer costs ~0.6-0.8 ms of Python and torch dispatch around
+~10 kernel calls, about as much as streaming its weights. `DecodePlan` describes every layer once
+(pointers to the packed fp32 panels or the int8 / int4 weights, the norm gains, the KV pages) and
+hands the C loop the same kernels the Python path calls, in the same order: the hidden state it
+returns is bitwise the Python path's (tests/test_decode_plan.py).
+
+It applies to steps of one decode row through Gemma 3 layers that run on the C kernels (fp32
+activations on the CPU, an unquantized KV pool, every projection packed or on kvserve's int
+kernels), no custom attention hook, no early exit; anything else runs the Python path. The plan
+remembers each tensor it points at (and its in-place version) and is rebuilt when one changes.
+"""
+from __future__ import annotations
+
+import ctypes
+import weakref
+
+import torch
+from torch import nn
+
+from kvserve import kernels
+from kvserve.accel.panels import PanelLinear
+from kvserve.model.attention import AttentionMetadata, KVCache
+from kvserve.model.gemma3 import Gemma3DecoderLayer
+from kvserve.weights.linear import QuantLinear
+from kvserve.weights.packing import cpu_int4_block_n
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+
+class _Lin(ctypes.Structure):
+    _fields_ = [("kind", _I), ("n", _I), ("k", _I), ("w", _P), ("scale", _P), ("sz_bf16", _I), ("group", _I),
+                ("block_n", _I)]
+
+
+class _Ctx(ctypes.Structure):
+    _fields_ = [("cos", _P), ("sin", _P), ("slot", _P), ("table", _P), ("start", _P), ("len", _P),
+                ("max_blocks", _I)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _Lin), ("o", _Lin), ("gate_up", _Lin), ("down", _Lin), ("g_in", _P), ("g_post_attn", _P),
+                ("g_pre_ff", _P), ("g_post_ff", _P), ("g_q", _P), ("g_k", _P), ("k_pool", _P), ("v_pool", _P),
+                ("ctx", _I)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("panel_gemm", _P), ("int8_gemv", _P), ("int4_gemv", _P), ("rms_norm", _P), ("add_rms_norm", _P),
+                ("norm_rope_write", _P), ("paged_decode", _P), ("gelu_mul", _P), ("H", _I), ("KVH", _I), ("D", _I),
+                ("hidden", _I), ("inter", _I), ("block_size", _I), ("threads", _I), ("eps", _F), ("qk_eps", _F),
+                ("scale", _F)]
+
+
+_FUNCTIONS = {"panel_gemm": ("panel_gemm", "panel_gemm"), "int8_gemv": ("lowbit_gemv", "int8_gemv"),
+              "int4_gemv": ("lowbit_gemv", "int4_gemv"), "rms_norm": ("rms_norm", "rms_norm"),
+              "add_rms_norm": ("rms_norm", "add_rms_norm"), "norm_rope_write": ("rope_cache", "norm_rope_write"),
+              "paged_decode": ("paged_attention", "paged_decode"), "gelu_mul": ("gelu", "gelu_tanh_mul")}
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """The in-place version counter; None for inference tensors (made under inference_mode, e.g. a
+    norm's cached gain, which the plan tracks through its weight instead)."""
+    return None if t.is_inference() else t._version
+
+
+class _Unsupported(Exception):
+    """The model (or one of its layers) is not something the C loop runs."""
+
+
+def _linear(module: nn.Module | None, panels, keep: list) -> _Lin:
+    """The C description of one projection: fp32 packed panels, or a QuantLinear on the C kernels."""
+    if panels is not None:  # a Panels object (accel/panels.py)
+        if not panels.refresh():
+            raise _Unsupported("weights no longer fp32 on the CPU")
+        keep += [(panels, "packed", panels.packed)] + [(None, None, w) for w in panels.weights]
+        return _Lin(0, panels.rows, panels.weights[0].shape[1], panels.packed.data_ptr(), None, 0, 0, 0)
+    if isinstance(module, QuantLinear) and module._gemv is not None and module.bias is None:
+        keep += [(module, "qweight", module.qweight), (module, "_gemv", module._gemv)]
+        if module.kernel == "int8":
+            return _Lin(1, module.out_features, module.in_features, module.qweight.data_ptr(),
+                        module._gemv.data_ptr(), 0, 0, 0)
+        if module.kernel == "int4" and cpu_int4_block_n() in (32, 64) and module.group_size % 2 == 0:
+            return _Lin(2, module.out_features, module.in_features, module.qweight.data_ptr(),
+                        module._gemv.data_ptr(), int(module._gemv.dtype == torch.bfloat16), module.group_size,
+                        cpu_int4_block_n())
+    raise _Unsupported(f"projection {type(module).__name__} is not on the C kernels")
+
+
+def _single_panels(module) -> object | None:
+    """A PanelLinear's own packed copy (None for other modules)."""
+    return module.panels if type(module) is PanelLinear and module.bias is None else None
+
+
+class DecodePlan:
+    """The C description of a Gemma 3 model's layers for batch-1 decode steps (see module doc)."""
+
+    def __init__(self, model: nn.Module, kv_cache: KVCache):
+        cfg = model.config
+        if not all(type(layer) is Gemma3DecoderLayer for layer in model.layers):
+            raise _Unsupported("not Gemma 3 layers")
+        if kv_cache.quantized or kv_cache.dtype != torch.float32 or cfg.kv_source is not None:
+            raise _Unsupported("quantized, non-fp32 or shared KV")
+        addresses = {f: kernels.kernel_address(src, name) for f, (src, name) in _FUNCTIONS.items()}
+        if None in addresses.values() or kernels.kernel_lib("decode_step") is None:
+            raise _Unsupported("C kernels unavailable")
+        # (owner, attribute, tensor) to re-check; never the model or the KVCache object themselves,
+        # which key the weak map of plans (see plan_for)
+        self._keep: list[tuple[object, str | None, torch.Tensor]] = []
+        layers = (_Layer * len(model.layers))()
+        self._ctx_keys: list[tuple[int, int | None, str]] = []  # (KV group, window, rope table) per Ctx
+        norm_eps = set()
+        for i, layer in enumerate(model.layers):
+            att, mlp = layer.self_attn, layer.mlp
+            if not (att.computes_kv and mlp.gelu_tanh and att.q_norm is not None and att.k_norm is not None):
+                raise _Unsupported("layer without its own K/V, q/k norms or gelu_tanh")
+            ly = layers[i]
+            ly.qkv = _linear(att.qkv_proj, att.qkv_panels if att.qkv_proj is None else None, self._keep)
+            ly.o = _linear(att.o_proj, _single_panels(att.o_proj), self._keep)
+            ly.gate_up = _linear(mlp.gate_up_proj, mlp.gate_up_panels if mlp.gate_up_proj is None else None,
+                                 self._keep)
+            ly.down = _linear(mlp.down_proj, _single_panels(mlp.down_proj), self._keep)
+            norms = (layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
+                     layer.post_feedforward_layernorm, att.q_norm, att.k_norm)
+            gains = [n.kernel_gain() for n in norms]
+            if any(g is None for g in gains):
+                raise _Unsupported("norm gains not fp32 on the CPU")
+            norm_eps |= {n.eps for n in norms[:4]}
+            if att.q_norm.eps != att.k_norm.eps:
+                raise _Unsupported("q and k norms with different eps")
+            self._keep += [(n, "weight", n.weight) for n in norms] + [(None, None, g) for g in gains]
+            ly.g_in, ly.g_post_attn, ly.g_pre_ff, ly.g_post_ff, ly.g_q, ly.g_k = (g.data_ptr() for g in gains)
+            k_pool, v_pool, group = kv_cache.layer(i)
+            self._keep += [(None, None, k_pool), (None, None, v_pool)]
+            ly.k_pool, ly.v_pool = k_pool.data_ptr(), v_pool.data_ptr()
+            key = (group, att.window, cfg.layer_types[i])
+            if key not in self._ctx_keys:
+                self._ctx_keys.append(key)
+            ly.ctx = self._ctx_keys.index(key)
+        first = model.layers[0].self_attn
+        if len(norm_eps) != 1 or any(layer.self_attn.scale != first.scale for layer in model.layers):
+            raise _Unsupported("layers with different norm eps or attention scales")
+        self._layers = layers
+        self._ctxs = (_Ctx * len(self._ctx_keys))()
+        self._step = _Step(**addresses, H=cfg.num_heads, KVH=cfg.num_kv_heads, D=cfg.head_dim,
+                           hidden=cfg.hidden_size, inter=cfg.intermediate_size, block_size=0, threads=1,
+                           eps=norm_eps.pop(), qk_eps=first.q_norm.eps, scale=first.scale)
+        self._versions = [_version(t) for _, _, t in self._keep]
+        self._fn = kernels.kernel_lib("decode_step").decode_layers
+
+    @classmethod
+    def build(cls, model: nn.Module, kv_cache: KVCache) -> DecodePlan | None:
+        try:
+            return cls(model, kv_cache)
+        except _Unsupported:
+            return None
+
+    def current(self) -> bool:
+        """Every tensor the plan points at is still the module's and unchanged in place."""
+        for (owner, attr, t), version in zip(self._keep, self._versions):
+            if (owner is not None and getattr(owner, attr) is not t) or _version(t) != version:
+                return False
+        return True
+
+    @staticmethod
+    def applies(h: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """A step of one decode row (fp32 CPU hidden state, no custom hook)."""
+        return (h.shape[0] == 1 and meta.custom is None and not meta.seqs and meta.decode is not None
+                and meta.decode.rows.shape[0] == 1 and h.dtype == torch.float32 and h.device.type == "cpu")
+
+    def run(self, h: torch.Tensor, cos_sin: dict[str, tuple[torch.Tensor, torch.Tensor]],
+            meta: AttentionMetadata) -> torch.Tensor | None:
+        """h [1, hidden] after the embedding -> the last layer's output [1, hidden]; None when the
+        C loop failed (the caller runs the Python path; nothing it wrote is read)."""
+        keep = []  # the step's tensors stay alive until the call returns
+        for c, (group, window, rope) in zip(self._ctxs, self._ctx_keys):
+            gm = meta.for_group(group)
+            batch = gm.decode
+            cos, sin = (t.contiguous() for t in cos_sin[rope])
+            table = batch.block_tables if batch.block_tables.is_contiguous() else batch.block_tables.contiguous()
+            start = batch.starts(window)
+            keep += [cos, sin, table, start]
+            c.cos, c.sin, c.slot, c.table = cos.data_ptr(), sin.data_ptr(), gm.slot_mapping.data_ptr(), table.data_ptr()
+            c.start, c.len, c.max_blocks = start.data_ptr(), batch.lens.data_ptr(), table.shape[1]
+            self._step.block_size = batch.block_size
+        self._step.threads = torch.get_num_threads()
+        out = h.contiguous().clone()
+        rc = self._fn(ctypes.byref(self._step), self._layers, self._ctxs, len(self._layers), out.data_ptr())
+        return out if rc == 0 else None
+
+
+# model -> {KV cache: its plan or None}: outside the module, so copying or saving a model never
+# meets the ctypes structures; engines sharing a model (a draft and its target, tests) each keep
+# theirs; a model that had no plan for a cache is not re-examined for it.
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def run_decode_plan(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+                    meta: AttentionMetadata) -> torch.Tensor | None:
+    """A step's final hidden states [1, hidden] through the model's plan (embedding, every layer
+    in one C call, final norm), or None where no plan applies (the caller runs the model)."""
+    if input_ids.shape[0] != 1 or _PLANS.get(model, {}).get(kv_cache, True) is None:
+        return None  # not one row, or a model already found without a plan (kept None by plan_for)
+    h = model.embed(input_ids)
+    if not DecodePlan.applies(h, meta):
+        return None
+    plan = plan_for(model, kv_cache)
+    out = None if plan is None else plan.run(h, model.rope_tables(positions, h.dtype), meta)
+    return None if out is None else model.norm(out)
+
+
+def plan_for(model: nn.Module, kv_cache: KVCache) -> DecodePlan | None:
+    """The model's current plan for this KV cache (built, or rebuilt after a change), or None."""
+    plans = _PLANS.setdefault(model, weakref.WeakKeyDictionary())
+    if kv_cache in plans:
+        plan = plans[kv_cache]
+        if plan is None or plan.current():
+            return plan
+    plan = plans[kv_cache] = DecodePlan.build(model, kv_cache)
+    return plan

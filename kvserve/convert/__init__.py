@@ -1,6 +1,0 @@
-"""Model transforms that shrink the KV cache: GQA / MQA conversion by mean-pooling K/V heads
-(`kvserve convert --kv-heads K`) and cross-layer KV sharing (`--share-kv-every N`)."""
-from kvserve.convert.cla import share_kv
-from kvserve.convert.gqa import pool_kv_heads
-
-__all__ = ["pool_kv_heads", "share_kv"]
