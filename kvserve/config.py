@@ -1,8 +1,14 @@
-"""EngineConfig: every knob of the engine, validated at construction."""
+"""EngineConfig: every knob of the engine, validated at construction.
+
+`EngineConfig` is the flat surface users set (`LLM(**kwargs)`, the CLI flags); it resolves the
+defaults, hands each part of the engine its own config (`cache_config`, `scheduler_config`,
+`weights_config`, `speculative_config`, `streaming_config`), each of which validates its own
+fields, and checks the combinations that span parts.
+"""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from kvserve.loading.loader import DTYPES
 from kvserve.model.attention import KV_CACHE_DTYPES
@@ -19,6 +25,137 @@ def _default_kv_cache_gib() -> float:
     except (ValueError, OSError, AttributeError):
         return 2.0
     return round(min(4.0, total / 2**30 / 10), 2)
+
+
+def _positive_int(owner: object, name: str, optional: bool = False) -> None:
+    v = getattr(owner, name)
+    if optional and v is None:
+        return
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+
+def _flag(owner: object, *names: str) -> None:
+    for name in names:
+        if not isinstance(getattr(owner, name), bool):
+            raise ValueError(f"{name} must be a bool, got {getattr(owner, name)!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV pool: page size, budget, storage format, prefix caching, release of blocks
+    that leave a sliding window; `use_kv_cache=False` is the recompute-everything baseline."""
+
+    block_size: int = 16
+    kv_cache_gib: float = 2.0
+    kv_cache_dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    use_kv_cache: bool = True
+    sliding_window_release: bool = True
+
+    def __post_init__(self) -> None:
+        _positive_int(self, "block_size")
+        gib = self.kv_cache_gib
+        if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not gib > 0:
+            raise ValueError(f"kv_cache_gib must be a positive number, got {gib!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        _flag(self, "enable_prefix_caching", "use_kv_cache", "sliding_window_release")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """One step's budget: sequences, tokens, the context cap (None: the model's), chunked prefill."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        _positive_int(self, "max_num_seqs")
+        _positive_int(self, "max_num_batched_tokens")
+        _positive_int(self, "max_model_len", optional=True)
+        _flag(self, "enable_chunked_prefill")
+
+
+@dataclass(frozen=True)
+class WeightsConfig:
+    """How the weights are computed with (EngineConfig's comments say what each setting does)."""
+
+    weights: str = "float"
+    pack_weights: bool = True
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {WEIGHTS}, got {self.weights!r}")
+        _flag(self, "pack_weights", "compile")
+        if self.weights != "float" and self.compile:
+            raise ValueError(f"compile covers float weights; weights {self.weights!r} run on kvserve's C int kernels "
+                             f"(drop compile, or use weights='float')")
+
+    @property
+    def low_bit(self) -> bool:
+        return self.weights != "float"
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: the proposer (None: off) and its settings."""
+
+    speculative: str | None = None
+    num_speculative_tokens: int = 4
+    speculative_model: str | None = None
+    ngram_min: int = 1
+    ngram_max: int = 4
+    self_draft_dtype: str | None = None
+    self_draft_layers: int | None = None
+    self_draft_bits: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.speculative is not None and self.speculative not in SPECULATIVE:
+            raise ValueError(f"speculative must be one of {SPECULATIVE} or None, got {self.speculative!r}")
+        for name in ("num_speculative_tokens", "ngram_min", "ngram_max"):
+            _positive_int(self, name)
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
+        _positive_int(self, "self_draft_layers", optional=True)
+        if self.self_draft_dtype is not None and self.self_draft_dtype not in DTYPES:
+            raise ValueError(f"self_draft_dtype must be one of {sorted(DTYPES)}, got {self.self_draft_dtype!r}")
+        if self.self_draft_bits is not None and self.self_draft_bits not in (4, 8):
+            raise ValueError(f"self_draft_bits must be 4 or 8, got {self.self_draft_bits!r}")
+        if self.speculative != "self" and (self.self_draft_dtype or self.self_draft_layers or self.self_draft_bits):
+            raise ValueError("self_draft_dtype / self_draft_layers / self_draft_bits are only used with "
+                             "speculative='self'")
+        if self.speculative == "draft" and not self.speculative_model:
+            raise ValueError("speculative_model is required with speculative='draft' (a GGUF file or HF folder)")
+        if self.speculative_model is not None and self.speculative != "draft":
+            raise ValueError("speculative_model is only used with speculative='draft'")
+
+    @property
+    def enabled(self) -> bool:
+        return self.speculative is not None
+
+
+@dataclass(frozen=True)
+class StreamingConfig:
+    """StreamingLLM: sinks plus a recent window per layer (streaming_window None: off)."""
+
+    attention_sinks: int = 0
+    streaming_window: int | None = None
+
+    def __post_init__(self) -> None:
+        a = self.attention_sinks
+        if isinstance(a, bool) or not isinstance(a, int) or a < 0:
+            raise ValueError(f"attention_sinks must be an integer >= 0, got {a!r}")
+        if self.streaming_window is None and a:
+            raise ValueError("attention_sinks needs streaming_window (StreamingLLM keeps sinks + a recent window)")
+        _positive_int(self, "streaming_window", optional=True)
+
+    @property
+    def enabled(self) -> bool:
+        return self.streaming_window is not None
 
 
 @dataclass
@@ -85,6 +222,12 @@ class EngineConfig:
     # CUDA: run decode steps eagerly, never through captured CUDA graphs (vLLM's flag). Graphs
     # are captured at start-up, one per batch-size bucket, for plain decode steps.
     enforce_eager: bool = False
+    # The parts, made by __post_init__ from the fields above (not constructor arguments).
+    cache_config: CacheConfig = field(init=False, repr=False, compare=False)
+    scheduler_config: SchedulerConfig = field(init=False, repr=False, compare=False)
+    weights_config: WeightsConfig = field(init=False, repr=False, compare=False)
+    speculative_config: SpeculativeConfig = field(init=False, repr=False, compare=False)
+    streaming_config: StreamingConfig = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
@@ -92,94 +235,48 @@ class EngineConfig:
         dev = str(self.device).split(":")[0]
         if dev not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
-
         if self.dtype == "auto":
             self.dtype = "bfloat16" if dev == "cuda" else "float32"
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            self._positive_int(name)
-        for name in ("max_model_len", "num_threads"):
-            if getattr(self, name) is not None:
-                self._positive_int(name)
+        _positive_int(self, "num_threads", optional=True)
+        _flag(self, "enforce_eager")
         if self.kv_cache_gib is None:
             self.kv_cache_gib = _default_kv_cache_gib()
-        if isinstance(self.kv_cache_gib, bool) or not isinstance(self.kv_cache_gib, (int, float)) or not self.kv_cache_gib > 0:
-            raise ValueError(f"kv_cache_gib must be a positive number, got {self.kv_cache_gib!r}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "use_kv_cache", "sliding_window_release",
-                     "pack_weights", "compile", "enforce_eager"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        self._check_weights()
-        self._check_speculative()
-        self._check_streaming()
-
-    def _check_weights(self) -> None:
-        if self.weights == "fp32":  # the issue's / llama.cpp's name for unquantized fp32 weights
+        if self.weights == "fp32":  # llama.cpp's name for unquantized fp32 weights
             if self.dtype not in ("float32", "fp32"):
                 raise ValueError(f"weights 'fp32' contradicts dtype {self.dtype!r}: use weights='float'")
             self.weights = "float"
-        if self.weights not in WEIGHTS:
-            raise ValueError(f"weights must be one of {WEIGHTS}, got {self.weights!r}")
-        if self.weights == "float":
-            return
-        if self.compile:
-            raise ValueError(f"compile covers float weights; weights {self.weights!r} run on kvserve's C int kernels "
-                             f"(drop compile, or use weights='float')")
-        if str(self.device).split(":")[0] != "cpu":
+        self.cache_config = CacheConfig(**self._values(CacheConfig))
+        self.scheduler_config = SchedulerConfig(**self._values(SchedulerConfig))
+        self.weights_config = WeightsConfig(**self._values(WeightsConfig))
+        self.speculative_config = SpeculativeConfig(**self._values(SpeculativeConfig))
+        self.streaming_config = StreamingConfig(**self._values(StreamingConfig))
+        self._check_combinations(dev)
+
+    def _values(self, part: type) -> dict:
+        """This config's values of the fields `part` has (the same names)."""
+        return {f.name: getattr(self, f.name) for f in fields(part)}
+
+    def _check_combinations(self, dev: str) -> None:
+        """What spans parts: low-bit weights, speculation and StreamingLLM against each other, the
+        device and the KV cache."""
+        if self.weights != "float" and dev != "cpu":
             raise ValueError(f"weights {self.weights!r} run on PyTorch's CPU int8 / int4 kernels: device must be "
                              f"'cpu', got {self.device!r}")
-        if self.speculative == "self":
+        if self.weights != "float" and self.speculative == "self":
             raise ValueError(f"speculative='self' builds its own draft copy from float weights; it does not "
                              f"combine with weights {self.weights!r} (use self_draft_bits for a low-bit draft)")
-
-    def _check_streaming(self) -> None:
-        a = self.attention_sinks
-        if isinstance(a, bool) or not isinstance(a, int) or a < 0:
-            raise ValueError(f"attention_sinks must be an integer >= 0, got {a!r}")
-        if self.streaming_window is None:
-            if a:
-                raise ValueError("attention_sinks needs streaming_window (StreamingLLM keeps sinks + a recent window)")
-            return
-        self._positive_int("streaming_window")
-        if not self.use_kv_cache:
-            raise ValueError("streaming_window needs the KV cache (use_kv_cache=True)")
-        if self.speculative not in (None, "ngram"):
-            raise ValueError(f"streaming_window works with speculative=None or 'ngram', not {self.speculative!r} "
-                             "(a draft model would need its own streaming cache)")
-
-    def _check_speculative(self) -> None:
-        if self.speculative is not None and self.speculative not in SPECULATIVE:
-            raise ValueError(f"speculative must be one of {SPECULATIVE} or None, got {self.speculative!r}")
-        for name in ("num_speculative_tokens", "ngram_min", "ngram_max"):
-            self._positive_int(name)
-        if self.ngram_min > self.ngram_max:
-            raise ValueError(f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
-        if self.self_draft_layers is not None:
-            self._positive_int("self_draft_layers")
-        if self.self_draft_dtype is not None:
-            if self.self_draft_dtype not in DTYPES:
-                raise ValueError(f"self_draft_dtype must be one of {sorted(DTYPES)}, got {self.self_draft_dtype!r}")
-        if self.self_draft_bits is not None and self.self_draft_bits not in (4, 8):
-            raise ValueError(f"self_draft_bits must be 4 or 8, got {self.self_draft_bits!r}")
-        if self.speculative != "self" and (self.self_draft_dtype or self.self_draft_layers or self.self_draft_bits):
-            raise ValueError("self_draft_dtype / self_draft_layers / self_draft_bits are only used with "
-                             "speculative='self'")
-        if self.speculative == "draft" and not self.speculative_model:
-            raise ValueError("speculative_model is required with speculative='draft' (a GGUF file or HF folder)")
-        if self.speculative_model is not None and self.speculative != "draft":
-            raise ValueError("speculative_model is only used with speculative='draft'")
         if self.speculative is not None and not self.use_kv_cache:
             raise ValueError("speculative decoding needs the KV cache (use_kv_cache=True)")
-
-    def _positive_int(self, name: str) -> None:
-        v = getattr(self, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.streaming_window is not None:
+            if not self.use_kv_cache:
+                raise ValueError("streaming_window needs the KV cache (use_kv_cache=True)")
+            if self.speculative not in (None, "ngram"):
+                raise ValueError(f"streaming_window works with speculative=None or 'ngram', not {self.speculative!r} "
+                                 "(a draft model would need its own streaming cache)")
 
     @classmethod
     def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
+        """The constructor's arguments."""
+        return [f.name for f in fields(cls) if f.init]

@@ -1,9 +1,9 @@
 """What LLMEngine is built from: the weights as computed, the context cap, the KV pool and its
 layer groups, StreamingLLM's policies, CUDA graphs.
 
-Each function takes the EngineConfig and the model (or its config) and returns one part, so the
-engine's constructor reads as its list of steps and each decision sits in one function with its
-reason.
+Each function takes the config it reads (a part of the EngineConfig, or the whole one where a
+decision spans parts) and the model (or its config) and returns one part, so the engine's
+constructor reads as its list of steps and each decision sits in one function with its reason.
 """
 from __future__ import annotations
 
@@ -14,7 +14,13 @@ import time
 import torch
 
 from kvserve.accel.prepare import prepare_model
-from kvserve.config import EngineConfig
+from kvserve.config import (
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    StreamingConfig,
+)
 from kvserve.engine.block_manager import BlockManager
 from kvserve.engine.cuda_graphs import DecodeGraphs
 from kvserve.engine.scheduler import Scheduler
@@ -54,16 +60,17 @@ def load_weights(cfg: EngineConfig, loaded: LoadedModel | None) -> LoadedModel:
     """The model as the engine computes with it: `loaded` (else cfg.model, loaded here), low-bit
     when cfg.weights asks, then prepared with the fast paths the configuration allows
     (kvserve/accel/prepare.py)."""
-    out = low_bit_weights(loaded or load_model(cfg.model, cfg.dtype, cfg.device), cfg, owned=loaded is None)
-    prepare_model(out.model, cfg.device, pack=cfg.pack_weights, head_only=cfg.compile, low_bit=cfg.weights != "float")
+    w = cfg.weights_config
+    out = low_bit_weights(loaded or load_model(cfg.model, cfg.dtype, cfg.device), w.weights, cfg.device,
+                          owned=loaded is None)
+    prepare_model(out.model, cfg.device, pack=w.pack_weights, head_only=w.compile, low_bit=w.low_bit)
     return out
 
 
-def low_bit_weights(loaded: LoadedModel, cfg: EngineConfig, owned: bool) -> LoadedModel:
+def low_bit_weights(loaded: LoadedModel, kind: str, device: str, owned: bool) -> LoadedModel:
     """EngineConfig.weights int8 / int4: RTN-quantize every linear layer, the LM head and the
     embedding, onto the int8 / int4 kernels of kvserve/weights/linear.py (a copy when the caller
     owns the model)."""
-    kind = cfg.weights
     if kind == "float":
         return loaded
     model = loaded.model
@@ -72,7 +79,7 @@ def low_bit_weights(loaded: LoadedModel, cfg: EngineConfig, owned: bool) -> Load
                          "weights int8 / int4 quantize a float model when the engine starts")
     if not owned:
         dtype = next(model.parameters()).dtype
-        model = build_model(loaded.config, model.state_dict(), dtype, cfg.device, loaded.source)
+        model = build_model(loaded.config, model.state_dict(), dtype, device, loaded.source)
     bits = 8 if kind == "int8" else 4
     group = 128
     if bits == 4:  # the largest group the int4 kernel takes that divides every layer's inputs
@@ -104,19 +111,19 @@ def check_model(cfg: EngineConfig, mc: ModelConfig) -> None:
                          "(config kvserve_kv_source)")
 
 
-def stream_policies(cfg: EngineConfig, mc: ModelConfig) -> list[StreamPolicy] | None:
+def stream_policies(streaming: StreamingConfig, mc: ModelConfig) -> list[StreamPolicy] | None:
     """StreamingLLM's per-layer policies (None when off). The ranks given to cached keys
     must stay within the positions the model was trained on."""
-    if cfg.streaming_window is None:
+    if not streaming.enabled:
         return None
-    budget = cfg.attention_sinks + cfg.streaming_window
+    budget = streaming.attention_sinks + streaming.streaming_window
     if budget > mc.max_position_embeddings:
         raise ValueError(f"attention_sinks + streaming_window = {budget} exceeds the model's context "
                          f"(max_position_embeddings {mc.max_position_embeddings})")
-    return layer_policies(mc, cfg.attention_sinks, cfg.streaming_window)
+    return layer_policies(mc, streaming.attention_sinks, streaming.streaming_window)
 
 
-def max_model_len(cfg: EngineConfig, mc: ModelConfig, policies: list[StreamPolicy] | None) -> int:
+def max_model_len(cfg: SchedulerConfig, mc: ModelConfig, policies: list[StreamPolicy] | None) -> int:
     """The context cap: the model's trained context, or with StreamingLLM (whose positions
     are ranks in a bounded cache) what the user asks, by default STREAMING_MAX_MODEL_LEN."""
     if policies is not None:
@@ -138,7 +145,7 @@ def layer_groups(cfg: EngineConfig, mc: ModelConfig, policies: list[StreamPolicy
     return kv_layer_groups(mc, release)
 
 
-def kv_pool(cfg: EngineConfig, mc: ModelConfig, groups: list[LayerGroup], kv_dtype: torch.dtype,
+def kv_pool(cfg: CacheConfig, device: str, mc: ModelConfig, groups: list[LayerGroup], kv_dtype: torch.dtype,
             pad_page: bool) -> KVPool:
     """As many pages as kv_cache_gib holds (at least one per layer group). `pad_page`: one page
     more past the block manager's pool, which a captured decode step's padding rows write into."""
@@ -147,19 +154,20 @@ def kv_pool(cfg: EngineConfig, mc: ModelConfig, groups: list[LayerGroup], kv_dty
     page_bytes = len(groups[0].layers) * heads * per_token_head * cfg.block_size
     num_blocks = max(len(groups), int(cfg.kv_cache_gib * 2**30 // page_bytes))
     cache = KVCache(mc.num_layers, (num_blocks + int(pad_page)) * cfg.block_size, heads, k_dim,
-                    kv_dtype, cfg.device, layer_groups=[g.layers for g in groups],
+                    kv_dtype, device, layer_groups=[g.layers for g in groups],
                     kv_dtype=cfg.kv_cache_dtype, v_head_dim=v_dim, kv_source=mc.kv_source)
     return KVPool(cache, page_bytes, num_blocks)
 
 
-def block_manager(cfg: EngineConfig, num_blocks: int, groups: list[LayerGroup]) -> BlockManager:
-    """Prefix caching needs a KV cache to hit; sink_tokens is 0 unless streaming (EngineConfig checks)."""
+def block_manager(cfg: CacheConfig, streaming: StreamingConfig, num_blocks: int,
+                  groups: list[LayerGroup]) -> BlockManager:
+    """Prefix caching needs a KV cache to hit; sink_tokens is 0 unless streaming (StreamingConfig checks)."""
     return BlockManager(num_blocks, cfg.block_size,
                         enable_prefix_caching=cfg.enable_prefix_caching and cfg.use_kv_cache,
-                        group_windows=[g.window for g in groups], sink_tokens=cfg.attention_sinks)
+                        group_windows=[g.window for g in groups], sink_tokens=streaming.attention_sinks)
 
 
-def cap_max_model_len(max_len: int, bm: BlockManager, cfg: EngineConfig, keep_all: bool) -> int:
+def cap_max_model_len(max_len: int, bm: BlockManager, cfg: SchedulerConfig, keep_all: bool) -> int:
     """A lone sequence must always be able to run to its end: cap the context to what the
     pool holds for one sequence at its peak (`keep_all`: a separate draft cache, which may lag
     the target, holds sliding-window release back: then every group keeps every block)."""
@@ -172,7 +180,7 @@ def cap_max_model_len(max_len: int, bm: BlockManager, cfg: EngineConfig, keep_al
     return max_len
 
 
-def log_pool(cfg: EngineConfig, groups: list[LayerGroup], num_blocks: int, cache: KVCache) -> None:
+def log_pool(cfg: CacheConfig, groups: list[LayerGroup], num_blocks: int, cache: KVCache) -> None:
     bs = cfg.block_size
     sliding = [g for g in groups if g.window is not None]
     layout = (f"{len(groups)} layer groups of {len(groups[0].layers)} layers: {len(groups) - len(sliding)} full, "
@@ -183,11 +191,11 @@ def log_pool(cfg: EngineConfig, groups: list[LayerGroup], num_blocks: int, cache
              cache.nbytes / 2**30, layout)
 
 
-def scheduler(cfg: EngineConfig, bm: BlockManager, max_len: int) -> Scheduler:
+def scheduler(cfg: SchedulerConfig, spec: SpeculativeConfig, bm: BlockManager, max_len: int) -> Scheduler:
     """Draft slots are reserved only when a drafter will fill them."""
     return Scheduler(bm, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                      max_model_len=max_len, enable_chunked_prefill=cfg.enable_chunked_prefill,
-                     num_speculative_tokens=cfg.num_speculative_tokens if cfg.speculative else 0)
+                     num_speculative_tokens=spec.num_speculative_tokens if spec.enabled else 0)
 
 
 def cuda_graphs_fit(cfg: EngineConfig, mc: ModelConfig, policies: list[StreamPolicy] | None) -> bool:

@@ -41,22 +41,25 @@ class LLMEngine:
         self.model_config = mc = self.loaded.model.config
         self.tokenizer = self.loaded.tokenizer
         builder.check_model(cfg, mc)
-        self.stream_policies = builder.stream_policies(cfg, mc)
-        self.max_model_len = builder.max_model_len(cfg, mc, self.stream_policies)
+        self.stream_policies = builder.stream_policies(cfg.streaming_config, mc)
+        self.max_model_len = builder.max_model_len(cfg.scheduler_config, mc, self.stream_policies)
         self.layer_groups = builder.layer_groups(cfg, mc, self.stream_policies)
         graphs = self._cuda_graphs_apply()
-        pool = builder.kv_pool(cfg, mc, self.layer_groups, next(self.loaded.model.parameters()).dtype, graphs)
+        kv_dtype = next(self.loaded.model.parameters()).dtype
+        pool = builder.kv_pool(cfg.cache_config, cfg.device, mc, self.layer_groups, kv_dtype, graphs)
         self.kv_cache, self.page_bytes, self.num_blocks = pool.cache, pool.page_bytes, pool.num_blocks
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, cfg.block_size, cfg.device,
                                   stream_policies=self.stream_policies, compile=cfg.compile)
-        self.block_manager = builder.block_manager(cfg, self.num_blocks, self.layer_groups)
+        self.block_manager = builder.block_manager(cfg.cache_config, cfg.streaming_config, self.num_blocks,
+                                                   self.layer_groups)
         target = DraftTarget(self.loaded, self.runner, self.kv_cache, self.layer_groups)
         self.spec_decoder = SpeculativeDecoder(cfg, target)
         self.draft_runner, self.spec_stats = self.spec_decoder.draft_runner, self.spec_decoder.stats
-        self.max_model_len = builder.cap_max_model_len(self.max_model_len, self.block_manager, cfg,
+        self.max_model_len = builder.cap_max_model_len(self.max_model_len, self.block_manager, cfg.scheduler_config,
                                                        keep_all=self.draft_runner is not None)
-        builder.log_pool(cfg, self.layer_groups, self.num_blocks, self.kv_cache)
-        self.scheduler = builder.scheduler(cfg, self.block_manager, self.max_model_len)
+        builder.log_pool(cfg.cache_config, self.layer_groups, self.num_blocks, self.kv_cache)
+        self.scheduler = builder.scheduler(cfg.scheduler_config, cfg.speculative_config, self.block_manager,
+                                           self.max_model_len)
         self.sampler = Sampler(self.tokenizer.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         if graphs:

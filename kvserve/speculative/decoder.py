@@ -58,32 +58,32 @@ class SpeculativeDecoder:
     # ---------------------------------------------------------------- construction
     def _make_drafter(self, target: DraftTarget) -> Drafter | None:
         """The proposer chosen by config.speculative (None when off)."""
-        cfg, mc = self.config, target.loaded.model.config
-        if cfg.speculative is None:
+        spec, mc = self.config.speculative_config, target.loaded.model.config
+        if spec.speculative is None:
             return None
-        if cfg.speculative == "ngram":
-            return NgramDrafter(cfg.num_speculative_tokens, cfg.ngram_min, cfg.ngram_max)
-        if cfg.speculative == "self":
+        if spec.speculative == "ngram":
+            return NgramDrafter(spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max)
+        if spec.speculative == "self":
             return self._make_self_drafter(target)
-        draft = load_model(cfg.speculative_model, cfg.dtype, cfg.device).model
+        draft = load_model(spec.speculative_model, self.config.dtype, self.config.device).model
         if draft.config.vocab_size != mc.vocab_size:
-            raise ValueError(f"speculative_model {cfg.speculative_model!r} has a vocabulary of "
+            raise ValueError(f"speculative_model {spec.speculative_model!r} has a vocabulary of "
                              f"{draft.config.vocab_size} tokens; the target has {mc.vocab_size}: a draft must "
                              "share the tokenizer")
-        return self._separate_drafter(target, draft, draft.config.num_layers, f"draft model {cfg.speculative_model}")
+        return self._separate_drafter(target, draft, draft.config.num_layers, f"draft model {spec.speculative_model}")
 
     def _make_self_drafter(self, target: DraftTarget) -> ModelDrafter:
         """The target as its own draft: a lower-precision copy of its weights (default bf16 for
         an fp32 target; `self_draft_bits` 4 / 8: an RTN-quantized copy), and/or an early exit
         after its first `self_draft_layers` layers."""
-        cfg, model = self.config, target.loaded.model
+        spec, model = self.config.speculative_config, target.loaded.model
         mc = model.config
         target_dtype = next(model.parameters()).dtype
-        bits = cfg.self_draft_bits
-        dtype = resolve_dtype(cfg.self_draft_dtype) if cfg.self_draft_dtype else (
+        bits = spec.self_draft_bits
+        dtype = resolve_dtype(spec.self_draft_dtype) if spec.self_draft_dtype else (
             torch.bfloat16 if target_dtype == torch.float32 and not bits else target_dtype)
         copy = dtype != target_dtype or bits is not None
-        layers = cfg.self_draft_layers or (mc.num_layers if copy else max(1, mc.num_layers // 3))
+        layers = spec.self_draft_layers or (mc.num_layers if copy else max(1, mc.num_layers // 3))
         if layers > mc.num_layers or (layers == mc.num_layers and not copy):
             raise ValueError(f"self_draft_layers must be below the model's {mc.num_layers} layers (or give a "
                              f"self_draft_dtype other than the target's), got {layers}")
@@ -91,7 +91,7 @@ class SpeculativeDecoder:
         if not copy:  # early exit on the target itself: its K/V for those layers are the draft's
             log.info("self-speculative draft: early exit after %d of %d layers", layers, mc.num_layers)
             return ModelDrafter(target.runner, num_layers=exit_at)
-        draft = build_model(mc, model.state_dict(), dtype, cfg.device, target.loaded.source)
+        draft = build_model(mc, model.state_dict(), dtype, self.config.device, target.loaded.source)
         what = f"{dtype}"
         if bits:
             rtn_quantize_model(draft, bits, 128, granularity="group" if bits == 4 else "channel", sym=bits == 8,
@@ -114,7 +114,7 @@ class SpeculativeDecoder:
             cache = KVCache(num_layers, target_cache.num_slots, heads, k_dim, kv_dtype, cfg.device,
                             v_head_dim=v_dim, kv_source=dc.kv_source)
         log.info("%s: its own KV pool %.2f GiB (same block tables as the target)", what, cache.nbytes / 2**30)
-        prepare_model(draft, cfg.device, pack=cfg.pack_weights, fuse_cuda=False, what="draft")
+        prepare_model(draft, cfg.device, pack=cfg.weights_config.pack_weights, fuse_cuda=False, what="draft")
         self.draft_runner = ModelRunner(draft, cache, cfg.block_size, cfg.device)
         return ModelDrafter(self.draft_runner, num_layers=exit_at, separate_cache=True)
 
@@ -134,7 +134,7 @@ class SpeculativeDecoder:
         if len(seq.output_token_ids) < p.min_tokens:
             return 0  # eos is masked per position until then: plain sampling handles it
         left = max_model_len if p.max_tokens is None else p.max_tokens - len(seq.output_token_ids)
-        return max(0, min(self.config.num_speculative_tokens, left - 1))
+        return max(0, min(self.config.speculative_config.num_speculative_tokens, left - 1))
 
     # ---------------------------------------------------------------- per step
     def copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
