@@ -269,7 +269,7 @@ def test_check_invariants_catches_corruption():
         bm.check_invariants([a])
     a.block_table.pop()
     bm.blocks[a.block_table[0]].ref_count = 0
-    bm._free_plain.append(a.block_table[0])
+    bm.pool._free_plain.append(a.block_table[0])
     with pytest.raises(AssertionError):
         bm.check_invariants([a])
 
@@ -329,9 +329,9 @@ def test_in_flight_bookkeeping_through_fork_free_reset_and_hits():
     run_prefill(bm, kv, c)  # blocks 0-3 cached
     blocks = list(c.block_table)
     bm.free(c)
-    bm._unregister(blocks[1])  # as if block 1 alone had been evicted (move it to the plain pool)
-    del bm._free_cached[blocks[1]]
-    bm._free_plain.append(blocks[1])
+    bm.pool._unregister(blocks[1])  # as if block 1 alone had been evicted (move it to the plain pool)
+    del bm.pool._free_cached[blocks[1]]
+    bm.pool._free_plain.append(blocks[1])
     d = make_seq(system + [4])
     assert bm.num_cached_tokens(d) == 4
     bm.allocate(d, 5)  # hit block 0; blocks 1 and (a fresh) 2 in flight
@@ -404,16 +404,16 @@ def test_prefix_hit_needs_only_the_window_blocks_of_sliding_groups():
     bm.free(b)
     # Evict group 1's block 5: a hit of 6 blocks is no longer possible; 5 blocks need blocks 3, 4.
     c = make_seq(list(range(25)) + [98])
-    page5 = bm._hash_to_block[1][bm._hashes(c, 6)[5]]
-    del bm._free_cached[page5]
-    bm._unregister(page5)
-    bm._free_plain.append(page5)
+    page5 = bm.pool._hash_to_block[1][bm._hashes(c, 6)[5]]
+    del bm.pool._free_cached[page5]
+    bm.pool._unregister(page5)
+    bm.pool._free_plain.append(page5)
     assert bm.num_cached_tokens(c) == 20
     # Without group 1's block 3 as well, no hit ends inside blocks 4..5: the longest is 3 blocks.
-    page3 = bm._hash_to_block[1][bm._hashes(c, 6)[3]]
-    del bm._free_cached[page3]
-    bm._unregister(page3)
-    bm._free_plain.append(page3)
+    page3 = bm.pool._hash_to_block[1][bm._hashes(c, 6)[3]]
+    del bm.pool._free_cached[page3]
+    bm.pool._unregister(page3)
+    bm.pool._free_plain.append(page3)
     assert bm.num_cached_tokens(c) == 12
     bm.allocate(c, c.num_tokens - 12)
     kv.forward(c, c.num_tokens - 12)
@@ -570,7 +570,7 @@ def probe_pending(bm: BlockManager, kv: FakeKV, live: list[Sequence], r: int) ->
         assert bm.num_cached_tokens(w) >= cached + pending
     else:  # group 0 has the pending blocks now; other groups may lack a block cached behind them
         lo, hi = cached // bm.block_size, (cached + pending) // bm.block_size
-        assert all(h in bm._hash_to_block[0] for h in bm._hashes(w, hi)[lo:hi])
+        assert all(h in bm.pool._hash_to_block[0] for h in bm._hashes(w, hi)[lo:hi])
 
 
 # Layer groups: a full group beside sliding ones (Gemma 3), and a model whose layers all slide.

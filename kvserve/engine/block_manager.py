@@ -1,8 +1,10 @@
-"""Paged KV-cache blocks: block tables, ref counts, prefix caching, copy-on-write, and
+"""Paged KV-cache policy: per-sequence block tables, prefix caching, copy-on-write, fork, and
 sliding-window release per layer group.
 
 Pure Python (no torch): this module only does the bookkeeping; the model runner owns the
-tensors and performs the block copies this module asks for.
+tensors and performs the block copies this module asks for. The pages themselves (reference
+counts, free lists, LRU eviction, the hash -> block registry) are `block_pool.BlockPool`'s;
+`BlockManager` decides which sequence holds which page and calls the pool.
 
 Prefix caching in one paragraph. Every FULL block of a sequence has a chained hash
 `sha256(parent_hash, token ids, extra_keys)`, so equal hashes mean equal whole prefixes.
@@ -11,12 +13,12 @@ sequence's first allocation walks its full blocks, reusing every registered bloc
 stored tokens, parent hash and extra keys match exactly (the hash alone is not trusted),
 and stops at the first miss; the last known token is always recomputed so the model
 produces logits for it. A freed block keeps its hash and stays findable until the
-allocator reuses it; among cached free blocks, the least recently freed is reused first.
+pool reuses it; among cached free blocks, the least recently freed is reused first.
 
 Layer groups (sliding-window release). The model's layers may be split into G groups of
 equal size (`kvserve/model/config.py: kv_layer_groups`); every sequence then has one block
 table per group, all drawing pages (a "block" here: `block_size` tokens of one group's
-layers) from the ONE free pool below. Group 0 is `seq.block_table`, groups 1.. are
+layers) from ONE `BlockPool`. Group 0 is `seq.block_table`, groups 1.. are
 `seq.group_block_tables`. A group with a sliding window W only ever reads the last W
 positions before a query, so once a block lies wholly before `basis - W + 1` (`basis` = the
 first position any cache will still compute, i.e. the next query) it is released (one
@@ -27,8 +29,8 @@ attention sinks, and the run starts after them). Full groups keep every block.
 With one group and no window (the default) this is exactly the classic single-table manager.
 
 Prefix hits with groups. Each group registers its own pages under the shared chained hashes
-(one hash -> page map per group). A hit of k blocks needs, in every full group, blocks
-[0, k) cached, and in every sliding group only the blocks covering positions
+(the pool keeps one hash -> page map per group). A hit of k blocks needs, in every full
+group, blocks [0, k) cached, and in every sliding group only the blocks covering positions
 [k*bs - W + 1, k*bs), the context of the first recomputed token; its earlier entries start
 out NULL. The manager takes the largest such k (bounded by the full groups' common prefix).
 
@@ -49,15 +51,15 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable, NamedTuple
 from typing import Sequence as Seq
 
+from kvserve.engine.block_pool import BlockHash, BlockPool
+
 if TYPE_CHECKING:
     from kvserve.sequence import Sequence
 
-BlockHash = bytes
 NULL_BLOCK = -1  # a table entry whose block a sliding-window group released: never read or written
 _ROOT_HASH: BlockHash = bytes(32)  # parent hash of a sequence's first block
 
@@ -90,22 +92,6 @@ def blocks_touched(num_positions: int, block_size: int) -> int:
 
 
 @dataclass
-class Block:
-    block_id: int
-    ref_count: int = 0
-    # Set while the block is registered in the prefix cache: what it was registered with,
-    # so a hit can be verified token by token, and in which layer group's map.
-    hash: BlockHash | None = None
-    parent_hash: BlockHash | None = None
-    token_ids: tuple[int, ...] = ()
-    extra_keys: tuple = ()
-    group: int = 0
-
-    def forget(self) -> None:
-        self.hash, self.parent_hash, self.token_ids, self.extra_keys = None, None, (), ()
-
-
-@dataclass
 class _SeqState:
     """Per-sequence cache bookkeeping, dropped by `free`."""
 
@@ -125,7 +111,8 @@ class _Plan(NamedTuple):
 
 
 class BlockManager:
-    """Owns `num_blocks` physical blocks (pages) of `block_size` token slots each.
+    """Hands out `num_blocks` physical blocks (pages, kept by `self.pool`) of `block_size`
+    token slots each to sequences.
 
     `group_windows`: one entry per KV layer group, its sliding window or None (full attention,
     keeps every block). The default, one full group, is the classic single-table manager.
@@ -161,12 +148,8 @@ class BlockManager:
         self.group_windows = group_windows
         self.num_groups = len(group_windows)
         self._sliding = [g for g, w in enumerate(group_windows) if w is not None]
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        # Free blocks without a hash are reused first: reusing them forgets nothing.
-        self._free_plain: deque[int] = deque(range(num_blocks))
-        # Free blocks that still hold a registered prefix, least recently freed first.
-        self._free_cached: OrderedDict[int, None] = OrderedDict()
-        self._hash_to_block: list[dict[BlockHash, int]] = [{} for _ in group_windows]  # per group
+        self.pool = BlockPool(num_blocks, self.num_groups)
+        self.blocks = self.pool.blocks  # the pool's list itself: ref counts and registered prefixes
         # Hashes of in-flight prompt blocks -> ids of the live sequences computing them.
         self._inflight: dict[BlockHash, set[int]] = {}
         self._seqs: dict[int, _SeqState] = {}
@@ -179,7 +162,7 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks no sequence references (cached-but-free blocks count as free)."""
-        return len(self._free_plain) + len(self._free_cached)
+        return self.pool.num_free_blocks
 
     def usage(self) -> float:
         """Fraction of blocks referenced by some sequence."""
@@ -276,7 +259,7 @@ class BlockManager:
         def page(g: int, i: int) -> int | None:
             key = (g, i)
             if key not in memo:
-                bid = self._hash_to_block[g].get(hashes[i])
+                bid = self.pool.get_cached_block(hashes[i], g)
                 if bid is not None and verify:
                     b = self.blocks[bid]
                     parent = hashes[i - 1] if i else _ROOT_HASH
@@ -368,7 +351,7 @@ class BlockManager:
         max_blocks = (seq.num_tokens - 1) // self.block_size
         if max_blocks == 0:
             return 0
-        cached = self._hash_to_block[0]
+        cached_page = self.pool.get_cached_block  # group 0's map
         if self.num_groups > 1 or self._sliding:  # where a hit would end, by hashes
             hashes = self._hashes(seq, max_blocks)
             block_hash = hashes.__getitem__
@@ -378,14 +361,14 @@ class BlockManager:
                 return self._hashes(seq, i + 1)[i]
 
             start = 0
-            while start < max_blocks and block_hash(start) in cached:
+            while start < max_blocks and cached_page(block_hash(start)) is not None:
                 start += 1  # the cached prefix
         end = start
         while end < max_blocks:
             h = block_hash(end)
             if any(sid != seq.seq_id for sid in self._inflight.get(h, ())):
                 end += 1
-            elif end > start and h in cached:
+            elif end > start and cached_page(h) is not None:
                 end += 1  # cached, but only reachable once the in-flight blocks before it land
             else:
                 break
@@ -460,9 +443,7 @@ class BlockManager:
         tables = self.tables(seq)
         if plan.hits:
             for table, hit in zip(tables, plan.hits):
-                for bid in hit:
-                    if bid != NULL_BLOCK:
-                        self._ref(bid)
+                self.pool.touch(bid for bid in hit if bid != NULL_BLOCK)  # revives cached free pages
                 table.extend(hit)
             seq.num_computed_tokens = num_hit * self.block_size
             if seq.num_draft_computed is not None:  # registered blocks hold the draft's K/V too
@@ -474,8 +455,8 @@ class BlockManager:
         self._pending_copies.extend(self.copy_on_write(seq, num_new_tokens))
         target = self.blocks_for(seq.num_computed_tokens + num_new_tokens)
         for table in tables:
-            while len(table) < target:
-                table.append(self._take_free_block())
+            if len(table) < target:
+                table.extend(self.pool.get_new_blocks(target - len(table)))
         self._sync_inflight(seq)
         return num_hit * self.block_size
 
@@ -495,8 +476,8 @@ class BlockManager:
                 if not self._shared(table[i]):
                     continue
                 src = table[i]
-                dst = self._take_free_block()
-                self.blocks[src].ref_count -= 1  # still >= 1: the other holders keep it
+                dst = self.pool.get_new_blocks(1)[0]
+                self.pool.free_blocks([src])  # still >= 1 reference: the other holders keep it
                 table[i] = dst
                 copies.append((src, dst))
         return copies
@@ -516,31 +497,6 @@ class BlockManager:
         copies, self._pending_copies = self._pending_copies, []
         return copies
 
-    def _ref(self, bid: int) -> None:
-        """Add a reference; a block coming back from the cached free pool keeps its hash."""
-        b = self.blocks[bid]
-        if b.ref_count == 0:
-            self._free_cached.pop(bid)  # hits are always registered, hence in the cached pool
-        b.ref_count += 1
-
-    def _take_free_block(self) -> int:
-        if self._free_plain:
-            bid = self._free_plain.popleft()
-        elif self._free_cached:
-            bid, _ = self._free_cached.popitem(last=False)  # LRU eviction
-            self._unregister(bid)
-        else:
-            raise RuntimeError("out of KV cache blocks")
-        self.blocks[bid].ref_count = 1
-        return bid
-
-    def _unregister(self, bid: int) -> None:
-        b = self.blocks[bid]
-        cached = self._hash_to_block[b.group]
-        if b.hash is not None and cached.get(b.hash) == bid:
-            del cached[b.hash]
-        b.forget()
-
     # ---- after the forward pass ------------------------------------------------------
     def mark_computed(self, seq: Sequence) -> None:
         """Register the blocks that became full and computed since the last call, then
@@ -558,17 +514,13 @@ class BlockManager:
         hashes = self._hashes(seq, num_full)
         extra = seq.cache_salt
         for g, table in enumerate(self.tables(seq)):
-            cached = self._hash_to_block[g]
             for i in range(st.num_registered, num_full):
                 bid = table[i]
                 if bid == NULL_BLOCK:
                     continue  # released before it was ever registered (not reachable: defensive)
-                b = self.blocks[bid]
-                if b.hash is not None or hashes[i] in cached:
-                    continue  # already registered (a hit), or another block holds this prefix
-                b.hash, b.parent_hash = hashes[i], hashes[i - 1] if i else _ROOT_HASH
-                b.token_ids, b.extra_keys, b.group = self._block_tokens(seq, i), extra, g
-                cached[b.hash] = bid
+                # A no-op if already registered (a hit) or another block holds this prefix.
+                self.pool.register(bid, hashes[i], hashes[i - 1] if i else _ROOT_HASH,
+                                   self._block_tokens(seq, i), extra, g)
         st.num_registered = num_full
         self._sync_inflight(seq)  # these blocks are computed now: no longer in flight
 
@@ -588,10 +540,9 @@ class BlockManager:
                 tables = self.tables(seq)
             table = tables[g]
             stop = min(stop, len(table))
-            for i in range(done, stop):
-                self._unref(table[i])
-                table[i] = NULL_BLOCK
             if stop > done:
+                self.pool.free_blocks(table[done:stop])
+                table[done:stop] = [NULL_BLOCK] * (stop - done)
                 st.released[g] = stop
                 self.num_window_released += stop - done
 
@@ -604,21 +555,9 @@ class BlockManager:
         """
         keep = self.blocks_for(seq.num_computed_tokens)
         for table in self.tables(seq):
-            for bid in reversed(table[keep:]):
-                if bid != NULL_BLOCK:
-                    self._unref(bid)
+            self.pool.free_blocks(bid for bid in reversed(table[keep:]) if bid != NULL_BLOCK)
             del table[keep:]
         self._sync_inflight(seq)
-
-    def _unref(self, bid: int) -> None:
-        """Drop one reference; at 0 the block goes back to the pool keeping its hash."""
-        b = self.blocks[bid]
-        b.ref_count -= 1
-        if b.ref_count == 0:
-            if b.hash is not None:
-                self._free_cached[bid] = None
-            else:
-                self._free_plain.append(bid)
 
     # ---- sharing and release ---------------------------------------------------------
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -629,10 +568,7 @@ class BlockManager:
         """
         if any(child.block_tables):
             raise ValueError(f"fork: child seq {child.seq_id} already holds blocks")
-        for table in self.tables(parent):
-            for bid in table:
-                if bid != NULL_BLOCK:
-                    self.blocks[bid].ref_count += 1
+        self.pool.touch(bid for table in self.tables(parent) for bid in table if bid != NULL_BLOCK)
         child.block_table = list(parent.block_table)
         child.group_block_tables = [list(t) for t in parent.group_block_tables]
         child.num_computed_tokens = parent.num_computed_tokens
@@ -649,10 +585,8 @@ class BlockManager:
         `num_computed_tokens` alone (preemption resets it). Safe to call twice.
         """
         tables = seq.block_tables
-        for i in reversed(range(max(map(len, tables)))):
-            for table in tables:
-                if i < len(table) and table[i] != NULL_BLOCK:
-                    self._unref(table[i])
+        self.pool.free_blocks(table[i] for i in reversed(range(max(map(len, tables))))
+                              for table in tables if i < len(table) and table[i] != NULL_BLOCK)
         seq.block_table = []
         seq.group_block_tables = []
         st = self._seqs.pop(seq.seq_id, None)
@@ -674,12 +608,7 @@ class BlockManager:
         In-flight blocks stay indexed: they belong to live sequences and are registered (with
         whatever K/V those sequences compute) once computed, as usual.
         """
-        for cached in self._hash_to_block:
-            for bid in list(cached.values()):
-                self.blocks[bid].forget()
-            cached.clear()
-        self._free_plain.extend(self._free_cached)
-        self._free_cached.clear()
+        self.pool.reset_prefix_cache()
 
     # ---- testing aid ------------------------------------------------------------------
     def needed_positions(self, group: int, basis: int, n: int) -> list[int]:
@@ -705,31 +634,19 @@ class BlockManager:
                     assert 0 <= bid < self.num_blocks, f"seq {s.seq_id}: block id {bid} out of range"
                     assert group_of.setdefault(bid, g) == g, f"block {bid} is in tables of two layer groups"
                     holders[bid] = holders.get(bid, 0) + 1
-        free_plain, free_cached = list(self._free_plain), list(self._free_cached)
-        free = set(free_plain) | set(free_cached)
-        assert len(free) == len(free_plain) + len(free_cached), "a block is in the free pool twice"
         for b in self.blocks:
             n = holders.get(b.block_id, 0)
             assert b.ref_count == n, f"block {b.block_id}: ref count {b.ref_count} but {n} holders"
-            assert (b.block_id in free) == (n == 0), (
-                f"block {b.block_id}: free={b.block_id in free} but referenced by {n} tables"
-            )
-        for bid in free_cached:
-            assert self.blocks[bid].hash is not None, f"cached free block {bid} has no hash"
-        for bid in free_plain:
-            assert self.blocks[bid].hash is None, f"plain free block {bid} still has a hash"
-        for g, cached in enumerate(self._hash_to_block):
-            for h, bid in cached.items():
-                assert 0 <= bid < self.num_blocks, f"hash maps to block id {bid}, out of range"
-                b = self.blocks[bid]
-                assert b.hash == h and b.group == g, f"block {bid} is registered under another hash or group"
-                assert b.parent_hash is not None and hash_block(b.parent_hash, b.token_ids, b.extra_keys) == h, (
-                    f"block {bid}: stored tokens differ from those it was registered with"
-                )
-                assert group_of.get(bid, g) == g, f"block {bid} is registered in group {g} but held by another"
+        # Free lists vs ref counts (so vs holders), free lists vs hashes, registry both ways.
+        self.pool.check_invariants()
         for b in self.blocks:
-            assert b.hash is None or self._hash_to_block[b.group].get(b.hash) == b.block_id, (
-                f"block {b.block_id} holds a hash the cache does not map to it"
+            if b.hash is None:
+                continue
+            assert b.parent_hash is not None and hash_block(b.parent_hash, b.token_ids, b.extra_keys) == b.hash, (
+                f"block {b.block_id}: stored tokens differ from those it was registered with"
+            )
+            assert group_of.get(b.block_id, b.group) == b.group, (
+                f"block {b.block_id} is registered in group {b.group} but held by another"
             )
         self._check_contents(seqs)
         self._check_inflight(seqs)
