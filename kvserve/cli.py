@@ -33,10 +33,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_weights_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--weights", default="float", choices=["float", "fp32", "int8", "int4"],
+    p.add_argument("--weights", default="float", choices=["float", "fp32", "int8", "int4", "gguf"],
                    help="float: as loaded, in --dtype (fp32: the same, for --dtype float32); int8 / int4: RTN-quantize "
                         "every linear, the LM head and the embedding at start (int8 per channel, int4 groups of 128) "
-                        "onto kvserve's C int8 / int4 kernels on CPU (PyTorch's without a C compiler)")
+                        "onto kvserve's C int8 / int4 kernels on CPU (PyTorch's without a C compiler); gguf: a .gguf "
+                        "file's own quantized blocks (Q4_0..Q8_0, Q2_K..Q6_K, F16), memory-mapped, no float copy")
     p.add_argument("--no-pack-weights", dest="pack_weights", action="store_false",
                    help="CPU fp32: do not keep the packed copy of the weights for decode steps nor the int8 screen "
                         "of the LM head for greedy tokens (saves one copy of the fp32 weights and a quarter of the "

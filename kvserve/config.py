@@ -15,7 +15,7 @@ from kvserve.model.attention import KV_CACHE_DTYPES
 
 DEVICES = ("cpu", "cuda")
 SPECULATIVE = ("ngram", "draft", "self")
-WEIGHTS = ("float", "int8", "int4")
+WEIGHTS = ("float", "int8", "int4", "gguf")
 
 
 def _default_kv_cache_gib() -> float:
@@ -92,7 +92,7 @@ class WeightsConfig:
             raise ValueError(f"weights must be one of {WEIGHTS}, got {self.weights!r}")
         _flag(self, "pack_weights", "compile")
         if self.weights != "float" and self.compile:
-            raise ValueError(f"compile covers float weights; weights {self.weights!r} run on kvserve's C int kernels "
+            raise ValueError(f"compile covers float weights; weights {self.weights!r} run on kvserve's C kernels "
                              f"(drop compile, or use weights='float')")
 
     @property
@@ -181,7 +181,9 @@ class EngineConfig:
     # RTN onto the CPU low-bit kernels (kvserve/weights/linear.py): "int8" per output channel,
     # symmetric; "int4" asymmetric, groups of 128 (64 or 32 where 128 does not divide a width).
     # Every linear layer, the LM head and the token embedding included. A model handed in as
-    # `loaded` is copied first, not changed.
+    # `loaded` is copied first, not changed. "gguf": a GGUF file's own quantized blocks, read
+    # from the memory-mapped file by kvserve's block kernels (kvserve/weights/ggml.py), never
+    # dequantized to a float copy (`model` must be a .gguf file).
     weights: str = "float"
     # CPU fp32: keep every weight matrix (the tied LM head too) also packed for the decode-step
     # kernel (kvserve/accel/panels.py): 1.2-4x MKL for steps of 1-128 sequences, for one more
@@ -262,8 +264,11 @@ class EngineConfig:
         """What spans parts: low-bit weights, speculation and StreamingLLM against each other, the
         device and the KV cache."""
         if self.weights != "float" and dev != "cpu":
-            raise ValueError(f"weights {self.weights!r} run on PyTorch's CPU int8 / int4 kernels: device must be "
+            raise ValueError(f"weights {self.weights!r} run on kvserve's CPU kernels: device must be "
                              f"'cpu', got {self.device!r}")
+        if self.weights == "gguf" and self.model is not None and not str(self.model).endswith(".gguf"):
+            raise ValueError(f"weights 'gguf' reads a GGUF file's own blocks: model must be a .gguf file, "
+                             f"got {str(self.model)!r}")
         if self.weights != "float" and self.speculative == "self":
             raise ValueError(f"speculative='self' builds its own draft copy from float weights; it does not "
                              f"combine with weights {self.weights!r} (use self_draft_bits for a low-bit draft)")

@@ -295,3 +295,50 @@ def test_text_encoding_past_embedding_is_a_clear_error(case, monkeypatch):
     with pytest.raises(ValueError, match="does not have"):
         llm.generate("hello <|endoftext|>", SamplingParams(max_tokens=2))
     assert not llm.engine.has_unfinished()
+
+
+def test_gguf_blocks_load_as_the_files_blocks_and_compute_what_the_float_load_does(case, monkeypatch):
+    """load_model(gguf_blocks=True): every matrix a GGMLLinear over the file's bytes (the tied
+    head and the embedding one table), no fp32 weights cached, logits those of the fp32 load of
+    the same file to fp32 summation-order rounding, greedy tokens equal."""
+    from kvserve.weights.embedding import QuantEmbedding
+    from kvserve.weights.ggml import GGMLLinear
+
+    name, _, path, _, _, loaded, cache = case
+    monkeypatch.setenv("KVSERVE_CACHE", str(cache))
+    blocks = load_model(path, gguf_blocks=True)
+    model = blocks.model
+    assert blocks.config == loaded.config
+    linears = [m for m in model.modules() if isinstance(m, GGMLLinear)]
+    tied = blocks.config.tie_word_embeddings
+    assert len(linears) == 7 * 2 + 1 + (not tied)  # q k v o gate up down per layer, the head, an untied table
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    assert isinstance(model.embed_tokens, QuantEmbedding) and model.embed_tokens.tied == tied
+    want = loaded.model.layers[1].self_attn.q_proj.weight  # the un-permuted rows, dequantized by gguf
+    assert torch.equal(model.layers[1].self_attn.q_proj.dequantized_weight(), want)
+    # Float tensors in the model are the norms alone (weights stay bytes).
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert sum(p.numel() for p in model.parameters()) == sum(
+        p.numel() for n, p in loaded.model.named_parameters() if "norm" in n)
+    ids = _prompt(7, 40)
+    ours, ref = all_position_logits(blocks, ids), all_position_logits(loaded, ids)
+    assert (ours - ref).abs().max().item() < 1e-4
+    entry = next((cache / "gguf").iterdir())
+    assert (entry / "tensors.json").exists()
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [_prompt(11, 5), _prompt(12, 23)]
+    got = [o.outputs[0].token_ids for o in LLM(str(path), weights="gguf", kv_cache_gib=0.01).generate(prompts, params)]
+    ref_tokens = [o.outputs[0].token_ids for o in LLM(loaded=loaded, kv_cache_gib=0.01).generate(prompts, params)]
+    assert got == ref_tokens
+
+
+def test_gguf_blocks_refusals_name_the_problem(case):
+    from kvserve import EngineConfig
+
+    _, _, path, _, _, loaded, _ = case
+    with pytest.raises(ValueError, match="model must be a .gguf file"):
+        EngineConfig(model="/some/hf_folder", weights="gguf")
+    with pytest.raises(ValueError, match="not a model loaded as floats"):
+        LLM(loaded=loaded, weights="gguf")
+    with pytest.raises(ValueError, match="device must be 'cpu'"):
+        EngineConfig(model=str(path), weights="gguf", device="cuda")

@@ -26,8 +26,8 @@ class KvserveEngine:
         torch.set_num_threads(threads(spec))
         self.name = name
         opts = spec.get(name, {})
-        self.loaded = load_model(spec.get("model"), opts.get("dtype", "float32"))
         weights: str | None = opts.get("weights")  # None: the engine's default (float)
+        self.loaded = load_model(spec.get("model"), opts.get("dtype", "float32"), gguf_blocks=weights == "gguf")
         self.dtype = weights or str(next(self.loaded.model.parameters()).dtype).removeprefix("torch.")
         self.dtype += ", torch.compile" if opts.get("compile") else ""
         self.max_num_seqs: list[int] = opts.get("max_num_seqs", [64])

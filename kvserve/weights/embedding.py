@@ -16,7 +16,8 @@ from kvserve.weights.linear import QuantLinear
 
 
 class QuantEmbedding(nn.Module):
-    """ids [...] -> rows of a QuantLinear's dequantized weight [..., hidden] in `dtype`.
+    """ids [...] -> rows of a low-bit table's dequantized weight [..., hidden] in `dtype` (a
+    QuantLinear, or a GGMLLinear holding a GGUF's blocks: anything with `dequantized_rows`).
 
     tied=True: `table` is the model's LM head, held by reference (not a submodule, so its
     buffers are in the state dict once, under lm_head). tied=False: `table` is owned
@@ -49,5 +50,7 @@ class QuantEmbedding(nn.Module):
         return 0 if self.tied else self.table.weight_nbytes
 
     def extra_repr(self) -> str:
+        spec = getattr(self.source, "spec", None)
+        label = spec.label() if spec is not None else self.source.ggml_type.name
         return (f"{self.num_embeddings}, {self.embedding_dim}, tied={self.tied}, "
-                f"{self.source.spec.label()}, dtype={str(self.dtype).removeprefix('torch.')}")
+                f"{label}, dtype={str(self.dtype).removeprefix('torch.')}")

@@ -173,7 +173,8 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | No
 # Where low-bit layer classes live: the runtime formats (QuantLinear, QuantEmbedding) and the
 # toolbox's methods with layers of their own (LLM.int8, SmoothQuant's W8A8). Named, not imported:
 # the toolbox sits above this layer.
-_QUANTIZED_MODULES = ("kvserve.weights.linear", "kvserve.weights.embedding", "kvserve.compress.quant")
+_QUANTIZED_MODULES = ("kvserve.weights.linear", "kvserve.weights.embedding", "kvserve.weights.ggml",
+                      "kvserve.compress.quant")
 
 
 def is_quantized_module(mod: object) -> bool:

@@ -1,0 +1,99 @@
+"""GGUF's quantized blocks as runtime weights: `GGMLLinear` keeps a weight's bytes as the file
+stores them (Q4_0 ... Q6_K, F16, BF16; memory-mapped by the loader), never an fp32 copy.
+
+A weight [N, K] is N rows of K / QK blocks (QK = 32, or 256 for the K-quants), each a few fp16
+scales and packed codes. The C kernels of kvserve/kernels/ggml_blocks.c dequantize a block at a
+time exactly as ggml does (the `gguf` package's dequantizer is the tests' oracle, value for
+value), so a layer computes with the same weights as the fp32 model the file dequantizes to:
+
+- up to `GEMV_MAX_ROWS` activation rows (decode steps): one pass over the blocks, each block
+  dequantized once and multiplied with every row in fp32 (16 lanes per row, then summed);
+- more rows (prefill): `DEQUANT_ROWS` weight rows at a time dequantized to fp32 and multiplied
+  by PyTorch's matmul, so the transient fp32 copy stays small.
+
+Without a C compiler both paths dequantize with the `gguf` package (numpy; slow, but the same
+numbers).
+"""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf.quants import dequantize as gguf_dequantize
+from torch import nn
+
+from kvserve import kernels
+
+T = gguf.GGMLQuantizationType
+# The types these layers hold (ggml's type numbers); F32 only as a tied head's table.
+GGML_TYPES = (T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
+GEMV_MAX_ROWS = 64  # rows of activations the block kernel takes in one call
+DEQUANT_ROWS = 4096  # weight rows dequantized at once on the prefill path
+
+
+def row_bytes(ggml_type: int, in_features: int) -> int:
+    """Bytes of one weight row of `in_features` values in this type (ValueError if not whole blocks)."""
+    values, size = gguf.GGML_QUANT_SIZES[T(ggml_type)]
+    if in_features % values:
+        raise ValueError(f"{T(ggml_type).name}: {in_features} values are not whole blocks of {values}")
+    return in_features // values * size
+
+
+class GGMLLinear(nn.Module):
+    """y = x @ W^T (+ bias) with W held as GGUF blocks: `raw` uint8 [out_features, row bytes]."""
+
+    def __init__(self, raw: torch.Tensor, ggml_type: int, in_features: int, out_features: int,
+                 bias: torch.Tensor | None = None):
+        super().__init__()
+        ggml_type = T(ggml_type)
+        if ggml_type not in GGML_TYPES:
+            raise ValueError(f"GGUF tensor type {ggml_type.name} is not supported (supported: "
+                             f"{', '.join(t.name for t in GGML_TYPES)})")
+        if raw.dtype != torch.uint8 or tuple(raw.shape) != (out_features, row_bytes(ggml_type, in_features)):
+            raise ValueError(f"{ggml_type.name} [{out_features}, {in_features}] needs uint8 bytes of shape "
+                             f"({out_features}, {row_bytes(ggml_type, in_features)}), got {raw.dtype} "
+                             f"{tuple(raw.shape)}")
+        self.ggml_type = ggml_type
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("raw", raw)
+        self.register_buffer("bias", bias)
+
+    @property
+    def weight_nbytes(self) -> int:
+        return self.raw.numel() + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, type={self.ggml_type.name}"
+
+    def dequantized_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Weight rows `rows` (int64 [n]) in fp32 [n, in_features]."""
+        out = kernels.ggml_dequant(self.raw, int(self.ggml_type), self.in_features, rows)
+        if out is None:
+            picked = self.raw.index_select(0, rows.to(torch.int64)).numpy()
+            out = torch.from_numpy(np.asarray(gguf_dequantize(picked, self.ggml_type), dtype=np.float32))
+        return out.reshape(rows.numel(), self.in_features)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """W in fp32 [out_features, in_features] (a full copy: for tests and conversions)."""
+        return self.dequantized_rows(torch.arange(self.out_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        y = None
+        if x2.shape[0] <= GEMV_MAX_ROWS:
+            y = kernels.ggml_gemv(x2.float(), self.raw, int(self.ggml_type), self.out_features)
+        if y is None:
+            y = self._dequantized_matmul(x2.float())
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+    def _dequantized_matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        """x2 [M, K] fp32 @ W^T, DEQUANT_ROWS weight rows at a time."""
+        out = x2.new_empty(x2.shape[0], self.out_features)
+        for n0 in range(0, self.out_features, DEQUANT_ROWS):
+            n1 = min(n0 + DEQUANT_ROWS, self.out_features)
+            out[:, n0:n1] = F.linear(x2, self.dequantized_rows(torch.arange(n0, n1)))
+        return out
