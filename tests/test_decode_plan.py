@@ -1,6 +1,6 @@
 """The batch-1 decode step's layers in one C call (kvserve/accel/decode_plan.py,
 kvserve/kernels/decode_step.c) compute bitwise what the Python path computes: same tokens and
-same log-probabilities, on fp32 panels and on the int8 / int4 kernels, with sliding-window
+same log-probabilities, on fp32 panels, on the int8 / int4 kernels and on GGUF blocks, with sliding-window
 layers, and after the weights change under it."""
 from __future__ import annotations
 
@@ -44,6 +44,18 @@ def test_plan_equals_the_python_path_on_gemma(gemma, monkeypatch, weights):
     assert spy.runs == PARAMS.max_tokens - 1  # every decode step (the first token comes from the prefill)
     spy.off = True
     assert _generate(llm, prompt) == got  # tokens and log-probabilities, bitwise
+    assert spy.runs == PARAMS.max_tokens - 1
+
+
+def test_plan_equals_the_python_path_on_gguf_blocks(gemma_path, monkeypatch):
+    """The file's own blocks (q/k/v and gate/up as separate GGUF matrices of mixed types)."""
+    spy = _Spy(monkeypatch)
+    llm = LLM(model=str(gemma_path), weights="gguf", kv_cache_gib=0.25, max_num_seqs=1, enable_prefix_caching=False)
+    prompt = "The history of the printing press begins"
+    got = _generate(llm, prompt)
+    assert spy.runs == PARAMS.max_tokens - 1
+    spy.off = True
+    assert _generate(llm, prompt) == got
     assert spy.runs == PARAMS.max_tokens - 1
 
 

@@ -1,7 +1,7 @@
 """Peers benchmark: kvserve (fp32, int8, int4 weights), HF transformers, llama.cpp and vLLM (CPU)
 side by side, one run.
 
-    python benchmarks/peers/run.py [--engines kvserve,kvserve-int8,kvserve-int4,hf,llamacpp,vllm]
+    python benchmarks/peers/run.py [--engines kvserve,kvserve-int8,kvserve-int4,kvserve-gguf,hf,llamacpp,vllm]
                                    [--repeats 3] [--rounds 1] [--quick]
                                    [--json-dir DIR] [--plot PATH] [--threads N]
 
@@ -37,7 +37,7 @@ from _common import LLAMACPP_KV_MODES, RESULT_PREFIX
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-KVSERVE_WEIGHTS = ["int8", "int4"]  # kvserve-<w>: the kvserve engine with RTN-quantized weights (EngineConfig.weights)
+KVSERVE_WEIGHTS = ["int8", "int4", "gguf"]  # kvserve-<w>: EngineConfig.weights int8 / int4 (RTN at start), gguf (the file's blocks)
 # kvserve-compile: fp32 through torch.compile (EngineConfig.compile).
 KVSERVE_ENGINES = ["kvserve", *(f"kvserve-{w}" for w in KVSERVE_WEIGHTS), "kvserve-compile"]  # one adapter, a spec section each
 ALL_ENGINES = [*KVSERVE_ENGINES, "hf", "llamacpp", "vllm"]

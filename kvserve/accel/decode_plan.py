@@ -23,6 +23,7 @@ from kvserve import kernels
 from kvserve.accel.panels import PanelLinear
 from kvserve.model.attention import AttentionMetadata, KVCache
 from kvserve.model.gemma3 import Gemma3DecoderLayer
+from kvserve.weights.ggml import GGMLLinear
 from kvserve.weights.linear import QuantLinear
 from kvserve.weights.packing import cpu_int4_block_n
 
@@ -31,7 +32,7 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 class _Lin(ctypes.Structure):
     _fields_ = [("kind", _I), ("n", _I), ("k", _I), ("w", _P), ("scale", _P), ("sz_bf16", _I), ("group", _I),
-                ("block_n", _I)]
+                ("block_n", _I), ("row_bytes", ctypes.c_int64)]
 
 
 class _Ctx(ctypes.Structure):
@@ -40,14 +41,16 @@ class _Ctx(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("qkv", _Lin), ("o", _Lin), ("gate_up", _Lin), ("down", _Lin), ("g_in", _P), ("g_post_attn", _P),
+    _fields_ = [("qkv", _Lin * 3), ("o", _Lin), ("gate_up", _Lin * 2), ("down", _Lin), ("n_qkv", _I), ("n_gate_up", _I),
+                ("g_in", _P), ("g_post_attn", _P),
                 ("g_pre_ff", _P), ("g_post_ff", _P), ("g_q", _P), ("g_k", _P), ("k_pool", _P), ("v_pool", _P),
                 ("ctx", _I)]
 
 
 class _Step(ctypes.Structure):
     _fields_ = [("panel_gemm", _P), ("int8_gemv", _P), ("int4_gemv", _P), ("rms_norm", _P), ("add_rms_norm", _P),
-                ("norm_rope_write", _P), ("paged_decode", _P), ("gelu_mul", _P), ("H", _I), ("KVH", _I), ("D", _I),
+                ("norm_rope_write", _P), ("paged_decode", _P), ("gelu_mul", _P), ("ggml_gemv", _P), ("H", _I),
+                ("KVH", _I), ("D", _I),
                 ("hidden", _I), ("inter", _I), ("block_size", _I), ("threads", _I), ("eps", _F), ("qk_eps", _F),
                 ("scale", _F)]
 
@@ -55,7 +58,8 @@ class _Step(ctypes.Structure):
 _FUNCTIONS = {"panel_gemm": ("panel_gemm", "panel_gemm"), "int8_gemv": ("lowbit_gemv", "int8_gemv"),
               "int4_gemv": ("lowbit_gemv", "int4_gemv"), "rms_norm": ("rms_norm", "rms_norm"),
               "add_rms_norm": ("rms_norm", "add_rms_norm"), "norm_rope_write": ("rope_cache", "norm_rope_write"),
-              "paged_decode": ("paged_attention", "paged_decode"), "gelu_mul": ("gelu", "gelu_tanh_mul")}
+              "paged_decode": ("paged_attention", "paged_decode"), "gelu_mul": ("gelu", "gelu_tanh_mul"),
+              "ggml_gemv": ("ggml_blocks", "ggml_gemv")}
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -84,7 +88,22 @@ def _linear(module: nn.Module | None, panels, keep: list) -> _Lin:
             return _Lin(2, module.out_features, module.in_features, module.qweight.data_ptr(),
                         module._gemv.data_ptr(), int(module._gemv.dtype == torch.bfloat16), module.group_size,
                         cpu_int4_block_n())
+    if isinstance(module, GGMLLinear) and module.bias is None:
+        keep.append((module, "raw", module.raw))
+        return _Lin(3, module.out_features, module.in_features, module.raw.data_ptr(), None, 0,
+                    int(module.ggml_type), 0, module.raw.shape[1])
     raise _Unsupported(f"projection {type(module).__name__} is not on the C kernels")
+
+
+def _parts(fused: nn.Module | None, panels, separate: tuple, keep: list, out) -> int:
+    """Fill `out` (a _Lin array) with a fused projection (one matrix or packed panels) or, for
+    GGUF blocks, the separate projections reading the same input; returns how many."""
+    if fused is not None or panels is not None or not all(isinstance(m, GGMLLinear) for m in separate):
+        out[0] = _linear(fused, panels if fused is None else None, keep)
+        return 1
+    for j, m in enumerate(separate):
+        out[j] = _linear(m, None, keep)
+    return len(separate)
 
 
 def _single_panels(module) -> object | None:
@@ -115,10 +134,10 @@ class DecodePlan:
             if not (att.computes_kv and mlp.gelu_tanh and att.q_norm is not None and att.k_norm is not None):
                 raise _Unsupported("layer without its own K/V, q/k norms or gelu_tanh")
             ly = layers[i]
-            ly.qkv = _linear(att.qkv_proj, att.qkv_panels if att.qkv_proj is None else None, self._keep)
+            ly.n_qkv = _parts(att.qkv_proj, att.qkv_panels, (att.q_proj, att.k_proj, att.v_proj), self._keep, ly.qkv)
             ly.o = _linear(att.o_proj, _single_panels(att.o_proj), self._keep)
-            ly.gate_up = _linear(mlp.gate_up_proj, mlp.gate_up_panels if mlp.gate_up_proj is None else None,
-                                 self._keep)
+            ly.n_gate_up = _parts(mlp.gate_up_proj, mlp.gate_up_panels, (mlp.gate_proj, mlp.up_proj), self._keep,
+                                  ly.gate_up)
             ly.down = _linear(mlp.down_proj, _single_panels(mlp.down_proj), self._keep)
             norms = (layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
                      layer.post_feedforward_layernorm, att.q_norm, att.k_norm)

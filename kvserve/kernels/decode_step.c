@@ -26,14 +26,16 @@ typedef void (*norm_rope_write_fn)(const float *, int64_t, const float *, int64_
 typedef int (*paged_decode_fn)(const void *, const void *, const void *, const int32_t *, const int32_t *,
                                const int32_t *, void *, int, int, int, int, int, int, int, float, int, int);
 typedef void (*gelu_mul_fn)(const float *, const float *, float *, int, int, int64_t, int);
+typedef int (*ggml_gemv_fn)(const float *, const uint8_t *, int, float *, int, int, int, int64_t, int);
 
-enum { LIN_PANELS = 0, LIN_INT8 = 1, LIN_INT4 = 2 };
+enum { LIN_PANELS = 0, LIN_INT8 = 1, LIN_INT4 = 2, LIN_GGML = 3 };
 
 typedef struct {
     int kind, n, k;
-    const void *w;     /* packed panels [ceil(n / PW), k, PW] / int8 [n, k] / int4 tiles [n, k / 2] */
-    const void *scale; /* int8: fp32 [n]; int4: (s, z) table [k / group, n, 2]; panels: unused */
-    int sz_bf16, group, block_n;
+    const void *w;     /* packed panels [ceil(n / PW), k, PW] / int8 [n, k] / int4 tiles [n, k / 2] / GGUF blocks */
+    const void *scale; /* int8: fp32 [n]; int4: (s, z) table [k / group, n, 2]; panels, GGUF: unused */
+    int sz_bf16, group, block_n; /* GGUF: group = the ggml type */
+    int64_t row_bytes;           /* GGUF: bytes of one weight row */
 } Lin;
 
 typedef struct { /* what a step's layers of one (KV group, window, rope table) share */
@@ -45,7 +47,8 @@ typedef struct { /* what a step's layers of one (KV group, window, rope table) s
 } Ctx;
 
 typedef struct {
-    Lin qkv, o, gate_up, down;
+    Lin qkv[3], o, gate_up[2], down; /* q/k/v and gate/up: one fused matrix, or separate parts (GGUF) */
+    int n_qkv, n_gate_up;
     const float *g_in, *g_post_attn, *g_pre_ff, *g_post_ff, *g_q, *g_k; /* g_q / g_k NULL: no q/k norm */
     float *k_pool, *v_pool;
     int ctx;
@@ -60,6 +63,7 @@ typedef struct {
     norm_rope_write_fn norm_rope_write;
     paged_decode_fn paged_decode;
     gelu_mul_fn gelu_mul;
+    ggml_gemv_fn ggml_gemv;
     int H, KVH, D, hidden, inter, block_size, threads;
     float eps, qk_eps, scale;
 } Step;
@@ -71,8 +75,19 @@ static int linear(const Step *s, const Lin *l, const float *x, float *y) {
     case LIN_INT4:
         return s->int4_gemv(x, (const uint8_t *)l->w, l->scale, l->sz_bf16, y, 1, l->n, l->k, l->group, l->block_n,
                             s->threads);
+    case LIN_GGML: return s->ggml_gemv(x, (const uint8_t *)l->w, l->group, y, 1, l->n, l->k, l->row_bytes, s->threads);
     default: return -1;
     }
+}
+
+/* Parts reading the same input, their outputs side by side in y. */
+static int linear_parts(const Step *s, const Lin *parts, int n_parts, const float *x, float *y) {
+    int rc = 0;
+    for (int j = 0; j < n_parts; j++) {
+        rc |= linear(s, parts + j, x, y);
+        y += parts[j].n;
+    }
+    return rc;
 }
 
 /* Runs layers [0, L) on h [hidden] in place; returns 0, or -1 (h then undefined: the caller
@@ -89,7 +104,7 @@ int decode_layers(const Step *s, const Layer *layers, const Ctx *ctxs, int L, fl
         const Layer *ly = layers + i;
         const Ctx *c = ctxs + ly->ctx;
         s->rms_norm(h, ly->g_in, x, 1, hid, s->eps, s->threads);
-        rc |= linear(s, &ly->qkv, x, qkv);
+        rc |= linear_parts(s, ly->qkv, ly->n_qkv, x, qkv);
         s->norm_rope_write(qkv, H * D, qkv + H * D, KVH * D, qkv + (H + KVH) * D, KVH * D, 1, H, KVH, D, ly->g_q,
                            ly->g_k, s->qk_eps, c->cos, c->sin, c->slot, ly->k_pool, ly->v_pool, q, s->threads);
         /* the kernel's own split rule (kvserve.kernels.paged_decode_attention, max_len = len) */
@@ -100,7 +115,7 @@ int decode_layers(const Step *s, const Layer *layers, const Ctx *ctxs, int L, fl
                               c->max_blocks, splits, s->scale, s->threads, 0);
         rc |= linear(s, &ly->o, att, o);
         s->add_rms_norm(o, ly->g_post_attn, h, h2, ly->g_pre_ff, x, 1, hid, s->eps, s->threads);
-        rc |= linear(s, &ly->gate_up, x, gu);
+        rc |= linear_parts(s, ly->gate_up, ly->n_gate_up, x, gu);
         s->gelu_mul(gu, gu + inter, act, 1, inter, 2 * inter, s->threads);
         rc |= linear(s, &ly->down, act, o);
         s->add_rms_norm(o, ly->g_post_ff, h2, h, NULL, NULL, 1, hid, s->eps, s->threads);

@@ -359,6 +359,67 @@ int ggml_dequant(const uint8_t *w, int t, int K, int64_t row_bytes, const int64_
     return 0;
 }
 
+#ifdef GGML_AVX512
+/* A 32-value block's weights in two registers: the same products as deq_q8_0 / deq_q5_0 /
+ * deq_q4_0. */
+static inline void w32_q8_0(const uint8_t *b, __m512 *w0, __m512 *w1) {
+    const __m512 d = _mm512_set1_ps(f16(b));
+    *w0 = _mm512_mul_ps(cvt16(_mm_loadu_si128((const __m128i *)(b + 2))), d);
+    *w1 = _mm512_mul_ps(cvt16(_mm_loadu_si128((const __m128i *)(b + 18))), d);
+}
+
+static inline void w32_q5_0(const uint8_t *b, __m512 *w0, __m512 *w1) {
+    const __m512 d = _mm512_set1_ps(f16(b));
+    uint32_t qh;
+    memcpy(&qh, b + 2, 4);
+    const __m128i q = _mm_loadu_si128((const __m128i *)(b + 6)), low4 = _mm_set1_epi8(0x0f), s16 = _mm_set1_epi8(16);
+    __m128i lo = _mm_and_si128(q, low4), hi = _mm_and_si128(_mm_srli_epi16(q, 4), low4);
+    lo = _mm_sub_epi8(_mm_mask_add_epi8(lo, (__mmask16)(qh & 0xffff), lo, s16), s16);
+    hi = _mm_sub_epi8(_mm_mask_add_epi8(hi, (__mmask16)(qh >> 16), hi, s16), s16);
+    *w0 = _mm512_mul_ps(cvt16(lo), d);
+    *w1 = _mm512_mul_ps(cvt16(hi), d);
+}
+
+static inline void w32_q4_0(const uint8_t *b, __m512 *w0, __m512 *w1) {
+    const __m512 d = _mm512_set1_ps(f16(b));
+    const __m128i q = _mm_loadu_si128((const __m128i *)(b + 2)), low4 = _mm_set1_epi8(0x0f), s8 = _mm_set1_epi8(8);
+    *w0 = _mm512_mul_ps(cvt16(_mm_sub_epi8(_mm_and_si128(q, low4), s8)), d);
+    *w1 = _mm512_mul_ps(cvt16(_mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), low4), s8)), d);
+}
+
+/* Rows of 32-value blocks without the span buffer: each block's weights dequantized in registers
+ * and multiplied into the rows' 16 lanes in the order the span path uses, so the sums are
+ * bitwise those of the generic loop. */
+#define GEMV_B32(NAME, W32, BYTES)                                                                       \
+    static void NAME(const float *x, const uint8_t *row, int M, int K, float acc[][LANES]) {            \
+        const int nb = K / 32;                                                                          \
+        __m512 w0, w1;                                                                                  \
+        if (M == 1) {                                                                                   \
+            __m512 va = _mm512_loadu_ps(acc[0]);                                                        \
+            for (int i = 0; i < nb; i++) {                                                              \
+                W32(row + (size_t)i * BYTES, &w0, &w1);                                                 \
+                va = _mm512_fmadd_ps(_mm512_loadu_ps(x + 32 * i), w0, va);                              \
+                va = _mm512_fmadd_ps(_mm512_loadu_ps(x + 32 * i + 16), w1, va);                         \
+            }                                                                                           \
+            _mm512_storeu_ps(acc[0], va);                                                               \
+            return;                                                                                     \
+        }                                                                                               \
+        for (int i = 0; i < nb; i++) {                                                                  \
+            W32(row + (size_t)i * BYTES, &w0, &w1);                                                     \
+            for (int m = 0; m < M; m++) {                                                               \
+                const float *xr = x + (size_t)m * K + 32 * i;                                           \
+                __m512 va = _mm512_loadu_ps(acc[m]);                                                    \
+                va = _mm512_fmadd_ps(_mm512_loadu_ps(xr), w0, va);                                      \
+                va = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), w1, va);                                 \
+                _mm512_storeu_ps(acc[m], va);                                                           \
+            }                                                                                           \
+        }                                                                                               \
+    }
+GEMV_B32(gemv_q8_0, w32_q8_0, 34)
+GEMV_B32(gemv_q5_0, w32_q5_0, 22)
+GEMV_B32(gemv_q4_0, w32_q4_0, 18)
+#endif
+
 /* y [M, N] = x [M, K] @ W^T for M <= MAX_ROWS. The K axis is walked in spans of SPAN values
  * (whole blocks), each dequantized once into a buffer and used by every row of x. */
 #define SPAN 256
@@ -373,6 +434,12 @@ int ggml_gemv(const float *x, const uint8_t *w, int t, float *y, int M, int N, i
         float buf[SPAN > 256 ? SPAN : 256];
         float acc[MAX_ROWS][LANES];
         memset(acc, 0, sizeof(float) * LANES * M);
+#ifdef GGML_AVX512
+        if (t == T_Q8_0 || t == T_Q5_0 || t == T_Q4_0) {
+            (t == T_Q8_0 ? gemv_q8_0 : t == T_Q5_0 ? gemv_q5_0 : gemv_q4_0)(x, row, M, K, acc);
+            goto reduce;
+        }
+#endif
         for (int k0 = 0; k0 < K; k0 += span) {
             const int len = K - k0 < span ? K - k0 : span;
             deq_span(t, row, k0, len, buf);
@@ -392,6 +459,9 @@ int ggml_gemv(const float *x, const uint8_t *w, int t, float *y, int M, int N, i
                 for (; k < len; k++) a[k % LANES] += xr[k] * buf[k];
             }
         }
+#ifdef GGML_AVX512
+    reduce:
+#endif
         for (int m = 0; m < M; m++) {
             float s = 0.f;
             for (int l = 0; l < LANES; l++) s += acc[m][l];
