@@ -415,10 +415,82 @@ static inline void w32_q4_0(const uint8_t *b, __m512 *w0, __m512 *w1) {
             }                                                                                           \
         }                                                                                               \
     }
+/* The K-quants' batch-1 rows without the buffer: a super-block's 256 weights dequantized 16 at a
+ * time in registers (the products of deq_q4_k_simd / deq_q6_k_simd) and multiplied into the 16
+ * lanes in ascending order, as the buffer path does: the same sums. */
+static void gemv1_q4_k(const float *x, const uint8_t *row, int K, float *acc) {
+    const __m128i low4 = _mm_set1_epi8(0x0f);
+    __m512 va = _mm512_loadu_ps(acc);
+    for (int i = 0; i < K / 256; i++, x += 256) {
+        const uint8_t *b = row + (size_t)i * 144, *scales = b + 4, *q = b + 16;
+        const float d = f16(b), dmin = f16(b + 2);
+        for (int is = 0; is < 8; is += 2, q += 32) {
+            uint8_t sc, mn;
+            scale_min_k4(is, scales, &sc, &mn);
+            const __m512 d1 = _mm512_set1_ps(d * (float)sc), m1 = _mm512_set1_ps(dmin * (float)mn);
+            scale_min_k4(is + 1, scales, &sc, &mn);
+            const __m512 d2 = _mm512_set1_ps(d * (float)sc), m2 = _mm512_set1_ps(dmin * (float)mn);
+            const __m128i v0 = _mm_loadu_si128((const __m128i *)q), v1 = _mm_loadu_si128((const __m128i *)(q + 16));
+            const float *xs = x + 32 * is;
+            va = _mm512_fmadd_ps(_mm512_loadu_ps(xs), _mm512_sub_ps(_mm512_mul_ps(d1, cvt16(_mm_and_si128(v0, low4))), m1), va);
+            va = _mm512_fmadd_ps(_mm512_loadu_ps(xs + 16), _mm512_sub_ps(_mm512_mul_ps(d1, cvt16(_mm_and_si128(v1, low4))), m1), va);
+            va = _mm512_fmadd_ps(_mm512_loadu_ps(xs + 32),
+                                 _mm512_sub_ps(_mm512_mul_ps(d2, cvt16(_mm_and_si128(_mm_srli_epi16(v0, 4), low4))), m2), va);
+            va = _mm512_fmadd_ps(_mm512_loadu_ps(xs + 48),
+                                 _mm512_sub_ps(_mm512_mul_ps(d2, cvt16(_mm_and_si128(_mm_srli_epi16(v1, 4), low4))), m2), va);
+        }
+    }
+    _mm512_storeu_ps(acc, va);
+}
+
+static void gemv1_q6_k(const float *x, const uint8_t *row, int K, float *acc) {
+    const __m128i low4 = _mm_set1_epi8(0x0f), three = _mm_set1_epi8(3), s32 = _mm_set1_epi8(32);
+    __m512 va = _mm512_loadu_ps(acc);
+    for (int i = 0; i < K / 256; i++) {
+        const uint8_t *b = row + (size_t)i * 210, *ql = b, *qh = b + 128;
+        const int8_t *sc = (const int8_t *)(b + 192);
+        const float d = f16(b + 208);
+        for (int n = 0; n < 256; n += 128, ql += 64, qh += 32, sc += 8) {
+            __m512 w[8]; /* values n + 16 * j, j = 0..7 */
+            for (int l = 0; l < 32; l += 16) {
+                const int is = l / 16;
+                const __m128i a = _mm_loadu_si128((const __m128i *)(ql + l)), c = _mm_loadu_si128((const __m128i *)(ql + l + 32));
+                const __m128i h = _mm_loadu_si128((const __m128i *)(qh + l));
+                const __m128i q1 = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(a, low4), _mm_slli_epi16(_mm_and_si128(h, three), 4)), s32);
+                const __m128i q2 = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(c, low4),
+                                                             _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 2), three), 4)), s32);
+                const __m128i q3 = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), low4),
+                                                             _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 4), three), 4)), s32);
+                const __m128i q4 = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(c, 4), low4),
+                                                             _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 6), three), 4)), s32);
+                w[is] = _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[is]), cvt16(q1));
+                w[2 + is] = _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[is + 2]), cvt16(q2));
+                w[4 + is] = _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[is + 4]), cvt16(q3));
+                w[6 + is] = _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[is + 6]), cvt16(q4));
+            }
+            const float *xs = x + 256 * i + n;
+            for (int j = 0; j < 8; j++) va = _mm512_fmadd_ps(_mm512_loadu_ps(xs + 16 * j), w[j], va);
+        }
+    }
+    _mm512_storeu_ps(acc, va);
+}
+
 GEMV_B32(gemv_q8_0, w32_q8_0, 34)
 GEMV_B32(gemv_q5_0, w32_q5_0, 22)
 GEMV_B32(gemv_q4_0, w32_q4_0, 18)
 #endif
+
+/* The 16 lanes of a row's sums added up, one order for every M: a tree with AVX-512 (a chain of
+ * 16 dependent adds cost as much as a short row's blocks), in order otherwise. */
+static inline float sum_lanes(const float *a) {
+#ifdef GGML_AVX512
+    return _mm512_reduce_add_ps(_mm512_loadu_ps(a));
+#else
+    float s = 0.f;
+    for (int l = 0; l < LANES; l++) s += a[l];
+    return s;
+#endif
+}
 
 /* y [M, N] = x [M, K] @ W^T for M <= MAX_ROWS. The K axis is walked in spans of SPAN values
  * (whole blocks), each dequantized once into a buffer and used by every row of x. */
@@ -437,6 +509,10 @@ int ggml_gemv(const float *x, const uint8_t *w, int t, float *y, int M, int N, i
 #ifdef GGML_AVX512
         if (t == T_Q8_0 || t == T_Q5_0 || t == T_Q4_0) {
             (t == T_Q8_0 ? gemv_q8_0 : t == T_Q5_0 ? gemv_q5_0 : gemv_q4_0)(x, row, M, K, acc);
+            goto reduce;
+        }
+        if (M == 1 && (t == T_Q4_K || t == T_Q6_K)) {
+            (t == T_Q4_K ? gemv1_q4_k : gemv1_q6_k)(x, row, K, acc[0]);
             goto reduce;
         }
 #endif
@@ -462,11 +538,7 @@ int ggml_gemv(const float *x, const uint8_t *w, int t, float *y, int M, int N, i
 #ifdef GGML_AVX512
     reduce:
 #endif
-        for (int m = 0; m < M; m++) {
-            float s = 0.f;
-            for (int l = 0; l < LANES; l++) s += acc[m][l];
-            y[(size_t)m * N + n] = s;
-        }
+        for (int m = 0; m < M; m++) y[(size_t)m * N + n] = sum_lanes(acc[m]);
     }
     return 0;
 }
