@@ -290,29 +290,33 @@ static void deq_q4_k_simd(const uint8_t *b, float *y) {
     }
 }
 
-static void deq_q6_k_simd(const uint8_t *b, float *y) {
-    const uint8_t *ql = b, *qh = b + 128;
-    const int8_t *sc = (const int8_t *)(b + 192);
-    const float d = f16(b + 208);
+/* One 128-value half of a Q6_K block as 8 vectors, w[j] = values 16 j .. 16 j + 15 (d * sc) * q. */
+static inline void q6_k_half(const uint8_t *ql, const uint8_t *qh, const int8_t *sc, float d, __m512 w[8]) {
     const __m128i low4 = _mm_set1_epi8(0x0f), three = _mm_set1_epi8(3), s32 = _mm_set1_epi8(32);
-    for (int n = 0; n < 256; n += 128, y += 128, ql += 64, qh += 32, sc += 8) {
-        for (int l = 0; l < 32; l += 16) {
-            const int is = l / 16;
-            const __m128i a = _mm_loadu_si128((const __m128i *)(ql + l)), c = _mm_loadu_si128((const __m128i *)(ql + l + 32));
-            const __m128i h = _mm_loadu_si128((const __m128i *)(qh + l));
-            const __m128i q1 = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(a, low4),
-                                                         _mm_slli_epi16(_mm_and_si128(h, three), 4)), s32);
-            const __m128i q2 = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(c, low4),
-                                                         _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 2), three), 4)), s32);
-            const __m128i q3 = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), low4),
-                                                         _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 4), three), 4)), s32);
-            const __m128i q4 = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(c, 4), low4),
-                                                         _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 6), three), 4)), s32);
-            _mm512_storeu_ps(y + l, _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[is]), cvt16(q1)));
-            _mm512_storeu_ps(y + l + 32, _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[is + 2]), cvt16(q2)));
-            _mm512_storeu_ps(y + l + 64, _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[is + 4]), cvt16(q3)));
-            _mm512_storeu_ps(y + l + 96, _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[is + 6]), cvt16(q4)));
-        }
+    for (int is = 0; is < 2; is++) {
+        const int l = 16 * is;
+        const __m128i a = _mm_loadu_si128((const __m128i *)(ql + l)), c = _mm_loadu_si128((const __m128i *)(ql + l + 32));
+        const __m128i h = _mm_loadu_si128((const __m128i *)(qh + l));
+        const __m128i q1 = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(a, low4), _mm_slli_epi16(_mm_and_si128(h, three), 4)), s32);
+        const __m128i q2 = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(c, low4),
+                                                     _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 2), three), 4)), s32);
+        const __m128i q3 = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), low4),
+                                                     _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 4), three), 4)), s32);
+        const __m128i q4 = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(c, 4), low4),
+                                                     _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 6), three), 4)), s32);
+        w[is] = _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[is]), cvt16(q1));
+        w[2 + is] = _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[is + 2]), cvt16(q2));
+        w[4 + is] = _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[is + 4]), cvt16(q3));
+        w[6 + is] = _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[is + 6]), cvt16(q4));
+    }
+}
+
+static void deq_q6_k_simd(const uint8_t *b, float *y) {
+    const float d = f16(b + 208);
+    for (int n = 0; n < 2; n++, y += 128) {
+        __m512 w[8];
+        q6_k_half(b + 64 * n, b + 128 + 32 * n, (const int8_t *)(b + 192) + 8 * n, d, w);
+        for (int j = 0; j < 8; j++) _mm512_storeu_ps(y + 16 * j, w[j]);
     }
 }
 #endif
@@ -444,32 +448,15 @@ static void gemv1_q4_k(const float *x, const uint8_t *row, int K, float *acc) {
 }
 
 static void gemv1_q6_k(const float *x, const uint8_t *row, int K, float *acc) {
-    const __m128i low4 = _mm_set1_epi8(0x0f), three = _mm_set1_epi8(3), s32 = _mm_set1_epi8(32);
     __m512 va = _mm512_loadu_ps(acc);
     for (int i = 0; i < K / 256; i++) {
-        const uint8_t *b = row + (size_t)i * 210, *ql = b, *qh = b + 128;
-        const int8_t *sc = (const int8_t *)(b + 192);
+        const uint8_t *b = row + (size_t)i * 210;
         const float d = f16(b + 208);
-        for (int n = 0; n < 256; n += 128, ql += 64, qh += 32, sc += 8) {
-            __m512 w[8]; /* values n + 16 * j, j = 0..7 */
-            for (int l = 0; l < 32; l += 16) {
-                const int is = l / 16;
-                const __m128i a = _mm_loadu_si128((const __m128i *)(ql + l)), c = _mm_loadu_si128((const __m128i *)(ql + l + 32));
-                const __m128i h = _mm_loadu_si128((const __m128i *)(qh + l));
-                const __m128i q1 = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(a, low4), _mm_slli_epi16(_mm_and_si128(h, three), 4)), s32);
-                const __m128i q2 = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(c, low4),
-                                                             _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 2), three), 4)), s32);
-                const __m128i q3 = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), low4),
-                                                             _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 4), three), 4)), s32);
-                const __m128i q4 = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(c, 4), low4),
-                                                             _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 6), three), 4)), s32);
-                w[is] = _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[is]), cvt16(q1));
-                w[2 + is] = _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[is + 2]), cvt16(q2));
-                w[4 + is] = _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[is + 4]), cvt16(q3));
-                w[6 + is] = _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[is + 6]), cvt16(q4));
-            }
-            const float *xs = x + 256 * i + n;
-            for (int j = 0; j < 8; j++) va = _mm512_fmadd_ps(_mm512_loadu_ps(xs + 16 * j), w[j], va);
+        for (int n = 0; n < 2; n++) {
+            __m512 w[8];
+            q6_k_half(b + 64 * n, b + 128 + 32 * n, (const int8_t *)(b + 192) + 8 * n, d, w);
+            const float *xs = x + 256 * i + 128 * n;
+            for (int jj = 0; jj < 8; jj++) va = _mm512_fmadd_ps(_mm512_loadu_ps(xs + 16 * jj), w[jj], va);
         }
     }
     _mm512_storeu_ps(acc, va);
