@@ -132,6 +132,33 @@ def test_engine_packs_fp32_cpu_weights_only_when_asked(tmp_path):
     assert not any(isinstance(m, PanelLinear) for m in bf16.engine.loaded.model.modules())
 
 
+@needs_panels
+def test_start_up_logs_the_memory_it_holds(tmp_path, caplog):
+    """weights as stored, the fast paths' copies (a packed copy of every fp32 matrix, the tied head
+    once), the KV pool, and their sum."""
+    import logging
+
+    from kvserve import LLM
+    from kvserve.accel.prepare import fast_path_nbytes
+    from kvserve.model.base import stored_weight_bytes
+    from tests.tiny_models import make_model
+
+    make_model("llama", tmp_path / "llama")
+    with caplog.at_level(logging.INFO, logger="kvserve.engine.builder"):
+        llm = LLM(model=str(tmp_path / "llama"), kv_cache_gib=0.05)
+    model, cache = llm.engine.loaded.model, llm.engine.kv_cache
+    weights, copies = stored_weight_bytes(model), fast_path_nbytes(model)
+    # Panels pad each matrix to whole panels: at least the fp32 matrices' bytes, at most one panel row more each.
+    matrices = [m.weight for m in model.modules() if isinstance(m, PanelLinear)]
+    assert sum(w.numel() * 4 for w in matrices) <= copies <= weights + 4 * sum(w.shape[1] * 32 for w in matrices) + (
+        model.embed_tokens.weight.numel() * 4)
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("memory:"))
+    assert line == (f"memory: weights {weights / 1e9:.2f} GB, fast-path copies {copies / 1e9:.2f} GB, KV pool "
+                    f"{cache.nbytes / 1e9:.2f} GB; {(weights + copies + cache.nbytes) / 1e9:.2f} GB in all")
+    assert fast_path_nbytes(LLM(model=str(tmp_path / "llama"), pack_weights=False,
+                                kv_cache_gib=0.05).engine.loaded.model) == 0
+
+
 def test_cli_no_pack_weights_flag(tmp_path, monkeypatch):
     from kvserve.accel import panels
     from kvserve.cli import main

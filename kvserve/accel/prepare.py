@@ -16,7 +16,7 @@ from torch import nn
 from kvserve.accel import panels
 from kvserve.accel.fused_linear import fuse_linear_projections
 from kvserve.accel.fused_quant import fuse_projections
-from kvserve.accel.greedy_head import screen_head
+from kvserve.accel.greedy_head import head_screen, screen_head
 from kvserve.weights.linear import use_gemv_kernels
 
 log = logging.getLogger(__name__)
@@ -42,3 +42,16 @@ def prepare_model(model: nn.Module, device: str | torch.device, *, pack: bool = 
     if fuse_cuda and device.type == "cuda" and not low_bit:
         n = fuse_linear_projections(model)
         log.info("%s: %d projections fused for CUDA (q/k/v, gate/up)", what, n)
+
+
+def fast_path_nbytes(model: nn.Module) -> int:
+    """Bytes the fast paths hold beside the weights: packed fp32 panels (each copy once) and the
+    head's greedy screen."""
+    packed: dict[int, int] = {}
+    for m in model.modules():
+        for name in ("panels", "qkv_panels", "gate_up_panels", "head_panels"):
+            p = getattr(m, name, None)
+            if isinstance(p, panels.Panels):
+                packed[p.packed.data_ptr()] = p.packed.numel() * p.packed.element_size()
+    screen = head_screen(model)
+    return sum(packed.values()) + (0 if screen is None else screen.nbytes)

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from kvserve.accel.prepare import prepare_model
+from kvserve.accel.prepare import fast_path_nbytes, prepare_model
 from kvserve.config import (
     CacheConfig,
     EngineConfig,
@@ -28,6 +28,7 @@ from kvserve.kernels.host_memory import keep_freed_memory
 from kvserve.loading import LoadedModel, load_model
 from kvserve.loading.loader import build_model
 from kvserve.model.attention import KVCache
+from kvserve.model.base import stored_weight_bytes
 from kvserve.model.config import LayerGroup, ModelConfig, kv_layer_groups
 from kvserve.model.streaming import StreamPolicy, layer_policies
 from kvserve.weights.ggml import GGMLLinear
@@ -198,6 +199,13 @@ def log_pool(cfg: CacheConfig, groups: list[LayerGroup], num_blocks: int, cache:
     log.info("KV pool (%s): %d pages x %d tokens = %d page-tokens, %d tokens of all layers (%.2f GiB); %s",
              cfg.kv_cache_dtype, num_blocks, bs, num_blocks * bs, num_blocks // len(groups) * bs,
              cache.nbytes / 2**30, layout)
+
+
+def log_memory(model: torch.nn.Module, cache: KVCache) -> None:
+    """What the engine holds, planned at start: weights as stored, the fast paths' copies, the KV pool."""
+    weights, copies = stored_weight_bytes(model), fast_path_nbytes(model)
+    log.info("memory: weights %.2f GB, fast-path copies %.2f GB, KV pool %.2f GB; %.2f GB in all", weights / 1e9,
+             copies / 1e9, cache.nbytes / 1e9, (weights + copies + cache.nbytes) / 1e9)
 
 
 def scheduler(cfg: SchedulerConfig, spec: SpeculativeConfig, bm: BlockManager, max_len: int) -> Scheduler:

@@ -58,6 +58,7 @@ class LLMEngine:
         self.max_model_len = builder.cap_max_model_len(self.max_model_len, self.block_manager, cfg.scheduler_config,
                                                        keep_all=self.draft_runner is not None)
         builder.log_pool(cfg.cache_config, self.layer_groups, self.num_blocks, self.kv_cache)
+        builder.log_memory(self.loaded.model, self.kv_cache)
         self.scheduler = builder.scheduler(cfg.scheduler_config, cfg.speculative_config, self.block_manager,
                                            self.max_model_len)
         self.sampler = Sampler(self.tokenizer.eos_token_ids)
