@@ -16,6 +16,7 @@ from kvserve.model.attention import KV_CACHE_DTYPES
 DEVICES = ("cpu", "cuda")
 SPECULATIVE = ("ngram", "draft", "self")
 WEIGHTS = ("float", "int8", "int4", "gguf")
+GGUF_ACTIVATIONS = ("int8", "float")
 
 
 def _default_kv_cache_gib() -> float:
@@ -84,12 +85,15 @@ class WeightsConfig:
     """How the weights are computed with (EngineConfig's comments say what each setting does)."""
 
     weights: str = "float"
+    gguf_activations: str = "int8"
     pack_weights: bool = True
     compile: bool = False
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHTS:
             raise ValueError(f"weights must be one of {WEIGHTS}, got {self.weights!r}")
+        if self.gguf_activations not in GGUF_ACTIVATIONS:
+            raise ValueError(f"gguf_activations must be one of {GGUF_ACTIVATIONS}, got {self.gguf_activations!r}")
         _flag(self, "pack_weights", "compile")
         if self.weights != "float" and self.compile:
             raise ValueError(f"compile covers float weights; weights {self.weights!r} run on kvserve's C kernels "
@@ -185,6 +189,10 @@ class EngineConfig:
     # from the memory-mapped file by kvserve's block kernels (kvserve/weights/ggml.py), never
     # dequantized to a float copy (`model` must be a .gguf file).
     weights: str = "float"
+    # weights "gguf": "int8" quantizes each activation row per 32 values for integer dot products
+    # with the blocks (llama.cpp's arithmetic; the fast path); "float" computes the float model's
+    # products (the blocks dequantized in registers; slower, the tests' exact reference).
+    gguf_activations: str = "int8"
     # CPU fp32: keep every weight matrix (the tied LM head too) also packed for the decode-step
     # kernel (kvserve/accel/panels.py): 1.2-4x MKL for steps of 1-128 sequences, for one more
     # copy of the fp32 weights in memory. A model handed in as `loaded` gets its copies too. The

@@ -47,10 +47,13 @@ def test_plan_equals_the_python_path_on_gemma(gemma, monkeypatch, weights):
     assert spy.runs == PARAMS.max_tokens - 1
 
 
-def test_plan_equals_the_python_path_on_gguf_blocks(gemma_path, monkeypatch):
-    """The file's own blocks (q/k/v and gate/up as separate GGUF matrices of mixed types)."""
+@pytest.mark.parametrize("activations", ["int8", "float"])
+def test_plan_equals_the_python_path_on_gguf_blocks(gemma_path, monkeypatch, activations):
+    """The file's own blocks (q/k/v and gate/up as separate GGUF matrices of mixed types), with
+    int8 or float activations."""
     spy = _Spy(monkeypatch)
-    llm = LLM(model=str(gemma_path), weights="gguf", kv_cache_gib=0.25, max_num_seqs=1, enable_prefix_caching=False)
+    llm = LLM(model=str(gemma_path), weights="gguf", gguf_activations=activations, kv_cache_gib=0.25,
+              max_num_seqs=1, enable_prefix_caching=False)
     prompt = "The history of the printing press begins"
     got = _generate(llm, prompt)
     assert spy.runs == PARAMS.max_tokens - 1

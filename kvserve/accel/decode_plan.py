@@ -49,7 +49,8 @@ class _Layer(ctypes.Structure):
 
 class _Step(ctypes.Structure):
     _fields_ = [("panel_gemm", _P), ("int8_gemv", _P), ("int4_gemv", _P), ("rms_norm", _P), ("add_rms_norm", _P),
-                ("norm_rope_write", _P), ("paged_decode", _P), ("gelu_mul", _P), ("ggml_gemv", _P), ("H", _I),
+                ("norm_rope_write", _P), ("paged_decode", _P), ("gelu_mul", _P), ("ggml_gemv", _P), ("ggml_q8", _P),
+                ("H", _I),
                 ("KVH", _I), ("D", _I),
                 ("hidden", _I), ("inter", _I), ("block_size", _I), ("threads", _I), ("eps", _F), ("qk_eps", _F),
                 ("scale", _F)]
@@ -59,7 +60,7 @@ _FUNCTIONS = {"panel_gemm": ("panel_gemm", "panel_gemm"), "int8_gemv": ("lowbit_
               "int4_gemv": ("lowbit_gemv", "int4_gemv"), "rms_norm": ("rms_norm", "rms_norm"),
               "add_rms_norm": ("rms_norm", "add_rms_norm"), "norm_rope_write": ("rope_cache", "norm_rope_write"),
               "paged_decode": ("paged_attention", "paged_decode"), "gelu_mul": ("gelu", "gelu_tanh_mul"),
-              "ggml_gemv": ("ggml_blocks", "ggml_gemv")}
+              "ggml_gemv": ("ggml_blocks", "ggml_gemv"), "ggml_q8": ("ggml_int8", "ggml_q8_matmul")}
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -90,8 +91,8 @@ def _linear(module: nn.Module | None, panels, keep: list) -> _Lin:
                         cpu_int4_block_n())
     if isinstance(module, GGMLLinear) and module.bias is None:
         keep.append((module, "raw", module.raw))
-        return _Lin(3, module.out_features, module.in_features, module.raw.data_ptr(), None, 0,
-                    int(module.ggml_type), 0, module.raw.shape[1])
+        return _Lin(4 if module.int8_path else 3, module.out_features, module.in_features, module.raw.data_ptr(),
+                    None, 0, int(module.ggml_type), 0, module.raw.shape[1])
     raise _Unsupported(f"projection {type(module).__name__} is not on the C kernels")
 
 

@@ -125,6 +125,8 @@ _SIGNATURES: dict[str, dict[str, tuple[list, object]]] = {
                     "int4_dequant": ([_P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I], None)},
     "ggml_blocks": {"ggml_gemv": ([_P, _P, _I, _P, _I, _I, _I, _L, _I], ctypes.c_int),  # GGUF's quantized blocks
                     "ggml_dequant": ([_P, _I, _I, _L, _P, _I, _P, _I], ctypes.c_int)},
+    "ggml_int8": {"ggml_q8_matmul": ([_P, _P, _I, _P, _I, _I, _I, _L, _I], ctypes.c_int),  # blocks x int8 rows
+                  "ggml_q8_matmul_reference": ([_P, _P, _I, _P, _I, _I, _I, _L], ctypes.c_int)},
     "rms_norm": {"rms_norm": ([_P, _P, _P, _I, _I, _F, _I], None),  # a few fp32 rows
                  "add_rms_norm": ([_P, _P, _P, _P, _P, _P, _I, _I, _F, _I], None)},
     "rope_cache": {"norm_rope_write": ([_P, _L, _P, _L, _P, _L, _I, _I, _I, _I, _P, _P, _F, _P, _P, _P, _P, _P, _P,
@@ -268,6 +270,25 @@ def ggml_gemv(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, n: int) -> tor
     y = torch.empty(m, n, dtype=torch.float32)
     rc = lib.ggml_gemv(x.data_ptr(), raw.data_ptr(), ggml_type, y.data_ptr(), m, n, k, raw.shape[1],
                        torch.get_num_threads())
+    return y if rc == 0 else None
+
+
+def ggml_q8_matmul(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, n: int, reference: bool = False
+                   ) -> torch.Tensor | None:
+    """y [M, N] fp32 = x [M, K] fp32 @ W^T for W held as GGUF blocks, x quantized to int8 per 32
+    values (kvserve/kernels/ggml_int8.c; any M); None when the kernel is unavailable or has no
+    int8 path for this type. `reference`: the plain C loops, whatever this CPU has."""
+    lib = kernel_lib("ggml_int8")
+    if lib is None or not _f32_cpu(x) or not raw.is_contiguous():
+        return None
+    x = x.contiguous()
+    m, k = x.shape
+    y = torch.empty(m, n, dtype=torch.float32)
+    if reference:
+        rc = lib.ggml_q8_matmul_reference(x.data_ptr(), raw.data_ptr(), ggml_type, y.data_ptr(), m, n, k, raw.shape[1])
+    else:
+        rc = lib.ggml_q8_matmul(x.data_ptr(), raw.data_ptr(), ggml_type, y.data_ptr(), m, n, k, raw.shape[1],
+                                torch.get_num_threads())
     return y if rc == 0 else None
 
 

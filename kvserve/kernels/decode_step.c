@@ -28,7 +28,7 @@ typedef int (*paged_decode_fn)(const void *, const void *, const void *, const i
 typedef void (*gelu_mul_fn)(const float *, const float *, float *, int, int, int64_t, int);
 typedef int (*ggml_gemv_fn)(const float *, const uint8_t *, int, float *, int, int, int, int64_t, int);
 
-enum { LIN_PANELS = 0, LIN_INT8 = 1, LIN_INT4 = 2, LIN_GGML = 3 };
+enum { LIN_PANELS = 0, LIN_INT8 = 1, LIN_INT4 = 2, LIN_GGML = 3, LIN_GGML_Q8 = 4 }; /* Q8: int8 activations */
 
 typedef struct {
     int kind, n, k;
@@ -63,7 +63,7 @@ typedef struct {
     norm_rope_write_fn norm_rope_write;
     paged_decode_fn paged_decode;
     gelu_mul_fn gelu_mul;
-    ggml_gemv_fn ggml_gemv;
+    ggml_gemv_fn ggml_gemv, ggml_q8;
     int H, KVH, D, hidden, inter, block_size, threads;
     float eps, qk_eps, scale;
 } Step;
@@ -76,6 +76,7 @@ static int linear(const Step *s, const Lin *l, const float *x, float *y) {
         return s->int4_gemv(x, (const uint8_t *)l->w, l->scale, l->sz_bf16, y, 1, l->n, l->k, l->group, l->block_n,
                             s->threads);
     case LIN_GGML: return s->ggml_gemv(x, (const uint8_t *)l->w, l->group, y, 1, l->n, l->k, l->row_bytes, s->threads);
+    case LIN_GGML_Q8: return s->ggml_q8(x, (const uint8_t *)l->w, l->group, y, 1, l->n, l->k, l->row_bytes, s->threads);
     default: return -1;
     }
 }

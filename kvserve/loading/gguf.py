@@ -273,11 +273,12 @@ def _block_entry(path: Path) -> tuple[ModelConfig, list[dict], Path]:
     return cfg, index["tensors"], tok_file
 
 
-def load_gguf_blocks(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor],
-                                                                  dict[str, nn.Module], Path]:
+def load_gguf_blocks(path: Path, dtype: torch.dtype, activations: str = "int8"
+                     ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, nn.Module], Path]:
     """A GGUF's weights as the file stores them: (config, plain tensors by name (norms, biases,
-    in `dtype`), modules by name (a GGMLLinear over the memory-mapped bytes of every matrix; the
-    token embedding a lookup into its table, shared with the LM head when tied), tokenizer.json)."""
+    in `dtype`), modules by name (a GGMLLinear over the memory-mapped bytes of every matrix, its
+    `activations` as given; the token embedding a lookup into its table, shared with the LM head
+    when tied), tokenizer.json)."""
     path = Path(path)
     if not path.is_file():
         raise ModelLoadError(path, "no such GGUF file")
@@ -302,7 +303,7 @@ def load_gguf_blocks(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[
         if cfg.family == "llama" and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
             heads = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
             raw = _unpermute_rope(raw, heads).contiguous()  # whole rows move: the blocks are unchanged
-        modules[name.removesuffix(".weight")] = GGMLLinear(raw, t["type"], k, n)
+        modules[name.removesuffix(".weight")] = GGMLLinear(raw, t["type"], k, n, activations=activations)
     table = modules.pop("embed_tokens", None)
     if table is None:
         raise ModelLoadError(path, "no token_embd tensor")

@@ -114,10 +114,12 @@ def use_column_major_weights(model: torch.nn.Module) -> None:
 
 
 def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "float32",
-               device: str | torch.device = "cpu", gguf_blocks: bool = False) -> LoadedModel:
+               device: str | torch.device = "cpu", gguf_blocks: bool = False,
+               gguf_activations: str = "int8") -> LoadedModel:
     """A model from a .gguf file or an HF folder (plain, quantized or N:M-compressed), its
     tokenizer and config. `gguf_blocks`: a GGUF's quantized weights stay the file's blocks
-    (memory-mapped, kvserve/weights/ggml.py) instead of being dequantized to `dtype`; CPU only."""
+    (memory-mapped, kvserve/weights/ggml.py) instead of being dequantized to `dtype`; CPU only;
+    `gguf_activations` "int8" (llama.cpp's arithmetic) or "float" (the float model's products)."""
     torch_dtype = resolve_dtype(dtype)
     path = default_model_path() if model is None else Path(model).expanduser()
     if not path.exists():
@@ -131,7 +133,7 @@ def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "floa
     elif path.suffix == ".gguf" and gguf_blocks:
         if torch.device(device).type != "cpu":
             raise ValueError(f"gguf_blocks: the GGUF block kernels run on the CPU, not {device}")
-        cfg, sd, modules, tok_file = load_gguf_blocks(path, torch_dtype)
+        cfg, sd, modules, tok_file = load_gguf_blocks(path, torch_dtype, gguf_activations)
         tokenizer = Tokenizer.from_file(tok_file, cfg.eos_token_ids, cfg.bos_token_id)
         return LoadedModel(build_model(cfg, sd, torch_dtype, device, path, modules=modules), cfg, tokenizer, path)
     elif path.suffix == ".gguf":

@@ -6,13 +6,19 @@ scales and packed codes. The C kernels of kvserve/kernels/ggml_blocks.c dequanti
 time exactly as ggml does (the `gguf` package's dequantizer is the tests' oracle, value for
 value), so a layer computes with the same weights as the fp32 model the file dequantizes to:
 
-- up to `GEMV_MAX_ROWS` activation rows (decode steps): one pass over the blocks, each block
-  dequantized once and multiplied with every row in fp32 (16 lanes per row, then summed);
-- more rows (prefill): `DEQUANT_ROWS` weight rows at a time dequantized to fp32 and multiplied
-  by PyTorch's matmul, so the transient fp32 copy stays small.
+- activations "int8" (the default; llama.cpp's arithmetic), for Q4_0, Q5_0, Q8_0, Q4_K, Q5_K and
+  Q6_K: each activation row is quantized to int8 per 32 values and the blocks' integer codes meet
+  it in integer dot products (kernels/ggml_int8.c), decode rows and prefill alike. Against the
+  float model's products the error is that of the activations' rounding: about 2e-3 of
+  sum |x| |w| (tests/test_ggml_blocks.py bounds it);
+- activations "float" (and the other types): the float model's products. Up to
+  `GEMV_MAX_ROWS` rows (decode steps): one pass over the blocks, each dequantized once and
+  multiplied with every row in fp32 (16 lanes per row, then summed); more rows (prefill):
+  `DEQUANT_ROWS` weight rows at a time dequantized to fp32 and multiplied by PyTorch's matmul, so
+  the transient fp32 copy stays small.
 
-Without a C compiler both paths dequantize with the `gguf` package (numpy; slow, but the same
-numbers).
+Either way a row's result does not depend on the rows beside it. Without a C compiler every
+layer dequantizes with the `gguf` package (numpy; slow) and computes in float.
 """
 from __future__ import annotations
 
@@ -28,6 +34,8 @@ from kvserve import kernels
 T = gguf.GGMLQuantizationType
 # The types these layers hold (ggml's type numbers); F32 only as a tied head's table.
 GGML_TYPES = (T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
+INT8_TYPES = (T.Q4_0, T.Q5_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)  # the int8-activation kernel's
+ACTIVATIONS = ("int8", "float")
 GEMV_MAX_ROWS = 64  # rows of activations the block kernel takes in one call
 DEQUANT_ROWS = 4096  # weight rows dequantized at once on the prefill path
 
@@ -44,8 +52,10 @@ class GGMLLinear(nn.Module):
     """y = x @ W^T (+ bias) with W held as GGUF blocks: `raw` uint8 [out_features, row bytes]."""
 
     def __init__(self, raw: torch.Tensor, ggml_type: int, in_features: int, out_features: int,
-                 bias: torch.Tensor | None = None):
+                 bias: torch.Tensor | None = None, activations: str = "int8"):
         super().__init__()
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
         ggml_type = T(ggml_type)
         if ggml_type not in GGML_TYPES:
             raise ValueError(f"GGUF tensor type {ggml_type.name} is not supported (supported: "
@@ -54,17 +64,23 @@ class GGMLLinear(nn.Module):
             raise ValueError(f"{ggml_type.name} [{out_features}, {in_features}] needs uint8 bytes of shape "
                              f"({out_features}, {row_bytes(ggml_type, in_features)}), got {raw.dtype} "
                              f"{tuple(raw.shape)}")
-        self.ggml_type = ggml_type
+        self.ggml_type, self.activations = ggml_type, activations
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("raw", raw)
         self.register_buffer("bias", bias)
+
+    @property
+    def int8_path(self) -> bool:
+        """Whether products quantize the activations to int8 (kernels/ggml_int8.c)."""
+        return self.activations == "int8" and self.ggml_type in INT8_TYPES
 
     @property
     def weight_nbytes(self) -> int:
         return self.raw.numel() + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, type={self.ggml_type.name}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, type={self.ggml_type.name}, "
+                f"activations={self.activations}")
 
     def dequantized_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Weight rows `rows` (int64 [n]) in fp32 [n, in_features]."""
@@ -82,7 +98,9 @@ class GGMLLinear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         y = None
-        if x2.shape[0] <= GEMV_MAX_ROWS:
+        if self.int8_path:
+            y = kernels.ggml_q8_matmul(x2.float(), self.raw, int(self.ggml_type), self.out_features)
+        if y is None and x2.shape[0] <= GEMV_MAX_ROWS:
             y = kernels.ggml_gemv(x2.float(), self.raw, int(self.ggml_type), self.out_features)
         if y is None:
             y = self._dequantized_matmul(x2.float())

@@ -1,0 +1,433 @@
+/* GGUF's quantized blocks against int8 activations: the integer dot products that make a CPU's
+ * integer units pay for low-bit weights (llama.cpp's approach), for decode rows and prefill alike.
+ *
+ * Activations: each row of x [M, K] fp32 is quantized per 32 values, symmetric:
+ *   dx = max|x| / 127,  qx = round_half_even(x * (1 / dx))  (int8),
+ * with, per 32 values and per 16, dx * (sum of the codes) kept for the weights' offsets.
+ *
+ * Weights stay the file's blocks; every supported type is "unsigned codes u times a scale, minus
+ * an offset", per group of 16 or 32 values:
+ *   Q4_0 d (u - 8)   Q5_0 d (u - 16)   Q8_0 d (u - 128), u = q + 128
+ *   Q4_K (d sc) u - dmin m   Q5_K the same with 5-bit u   Q6_K (d sc) (u - 32), 16-value groups
+ * so a row's product is  sum_g (w_scale_g dx_g) <u_g, qx_g>  -  sum_g w_offset_g dx_g sum(qx_g),
+ * the integer dots <u, qx> exact (vpdpbusd: u8 x s8 into int32 with AVX512-VNNI; plain C
+ * elsewhere). Each output row depends only on its own x row, never on the rows beside it, so a
+ * sequence decodes the same alone or batched, and prefill and decode use the same arithmetic.
+ *
+ * ggml_q8_matmul: y [M, N] = x [M, K] @ W^T for any M: rows of x are quantized once; threads split
+ * W's rows; each weight block is unpacked once for up to TILE rows of x.
+ */
+#include <math.h>
+#include <stdlib.h>
+
+#include "ggml_blocks.h"
+
+#if defined(GGML_AVX512) && defined(__AVX512VNNI__)
+#define Q8_VNNI 1
+#endif
+
+#define TILE 4     /* rows of x per pass over a weight row */
+#define MCHUNK 64  /* rows of x whose codes stay in cache while every weight row passes */
+
+typedef struct {
+    const int8_t *q;  /* [K] codes */
+    const float *d32; /* [K / 32] dx of each 32 values */
+    const float *d16; /* [K / 16] dx of the 32 values holding each 16 */
+    const float *s16; /* [K / 16] dx * (sum of the 16 codes) */
+    const float *s32; /* [K / 32] dx * (sum of the 32 codes) */
+} XRow;
+
+static int supported(int t) {
+    return t == T_Q4_0 || t == T_Q5_0 || t == T_Q8_0 || t == T_Q4_K || t == T_Q5_K || t == T_Q6_K;
+}
+
+static int qk_of(int t) { return t == T_Q4_K || t == T_Q5_K || t == T_Q6_K ? 256 : 32; }
+
+static int bytes_of(int t) {
+    switch (t) {
+    case T_Q4_0: return 18;
+    case T_Q5_0: return 22;
+    case T_Q8_0: return 34;
+    case T_Q4_K: return 144;
+    case T_Q5_K: return 176;
+    default: return 210; /* Q6_K */
+    }
+}
+
+/* ---------------------------------------------------------------- activations */
+
+static void quantize_row(const float *x, int K, int8_t *q, float *d32, float *d16, float *s16, float *s32) {
+    for (int b = 0; b < K / 32; b++) {
+        const float *xb = x + 32 * b;
+        float amax = 0.f;
+        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+        int sum[2] = {0, 0};
+        for (int j = 0; j < 32; j++) {
+            const int v = (int)nearbyintf(xb[j] * id); /* the default rounding: half to even */
+            q[32 * b + j] = (int8_t)v;
+            sum[j / 16] += v;
+        }
+        d32[b] = d;
+        d16[2 * b] = d16[2 * b + 1] = d;
+        s16[2 * b] = d * (float)sum[0];
+        s16[2 * b + 1] = d * (float)sum[1];
+        s32[b] = d * (float)(sum[0] + sum[1]);
+    }
+}
+
+/* ---------------------------------------------------------------- plain C: any CPU */
+
+/* A block's unsigned codes u [qk], and per 16 values the weight scale and offset scale. */
+static void unpack_block(int t, const uint8_t *b, uint8_t *u, float *ws, float *wo) {
+    switch (t) {
+    case T_Q4_0: case T_Q5_0: {
+        const float d = f16(b);
+        uint32_t qh = 0;
+        if (t == T_Q5_0) memcpy(&qh, b + 2, 4);
+        const uint8_t *qs = b + (t == T_Q5_0 ? 6 : 2);
+        for (int j = 0; j < 16; j++) {
+            u[j] = (uint8_t)((qs[j] & 0x0f) | (((qh >> j) & 1) << 4));
+            u[j + 16] = (uint8_t)((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4));
+        }
+        ws[0] = ws[1] = d;
+        wo[0] = wo[1] = d * (t == T_Q5_0 ? 16.f : 8.f);
+        return;
+    }
+    case T_Q8_0: {
+        const float d = f16(b);
+        for (int j = 0; j < 32; j++) u[j] = (uint8_t)((int8_t)b[2 + j] + 128);
+        ws[0] = ws[1] = d;
+        wo[0] = wo[1] = d * 128.f;
+        return;
+    }
+    case T_Q4_K: case T_Q5_K: {
+        const float d = f16(b), dmin = f16(b + 2);
+        const uint8_t *sc = b + 4, *qh = b + 16, *qs = b + (t == T_Q5_K ? 48 : 16);
+        for (int c = 0; c < 4; c++) {
+            for (int h = 0; h < 2; h++) {
+                const int j = 2 * c + h; /* the 32-value sub-block */
+                const int s = j < 4 ? sc[j] & 63 : (sc[j + 4] & 0x0f) | ((sc[j - 4] >> 6) << 4);
+                const int m = j < 4 ? sc[j + 4] & 63 : (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+                for (int l = 0; l < 32; l++) {
+                    const int hi = t == T_Q5_K ? ((qh[l] >> j) & 1) << 4 : 0;
+                    u[32 * j + l] = (uint8_t)(((qs[32 * c + l] >> (4 * h)) & 0x0f) | hi);
+                }
+                ws[2 * j] = ws[2 * j + 1] = d * (float)s;
+                wo[2 * j] = wo[2 * j + 1] = dmin * (float)m;
+            }
+        }
+        return;
+    }
+    default: { /* Q6_K */
+        const float d = f16(b + 208);
+        const int8_t *sc = (const int8_t *)(b + 192);
+        for (int n = 0; n < 2; n++) {
+            const uint8_t *ql = b + 64 * n, *qh = b + 128 + 32 * n;
+            uint8_t *o = u + 128 * n;
+            for (int l = 0; l < 32; l++) {
+                o[l] = (uint8_t)((ql[l] & 0x0f) | (((qh[l] >> 0) & 3) << 4));
+                o[l + 32] = (uint8_t)((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4));
+                o[l + 64] = (uint8_t)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4));
+                o[l + 96] = (uint8_t)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4));
+            }
+        }
+        for (int g = 0; g < 16; g++) {
+            ws[g] = d * (float)sc[g];
+            wo[g] = ws[g] * 32.f;
+        }
+    }
+    }
+}
+
+static float dot_row_c(int t, const uint8_t *row, const XRow *x, int K) {
+    const int qk = qk_of(t), bb = bytes_of(t);
+    uint8_t u[256];
+    float ws[16], wo[16], acc = 0.f, off = 0.f;
+    for (int i = 0; i < K / qk; i++) {
+        unpack_block(t, row + (size_t)i * bb, u, ws, wo);
+        for (int g = 0; g < qk / 16; g++) {
+            const int k0 = i * qk + 16 * g;
+            int dot = 0;
+            for (int l = 0; l < 16; l++) dot += (int)u[16 * g + l] * (int)x->q[k0 + l];
+            acc += ws[g] * x->d16[k0 / 16] * (float)dot;
+            off += wo[g] * x->s16[k0 / 16];
+        }
+    }
+    return acc - off;
+}
+
+/* ---------------------------------------------------------------- AVX512-VNNI */
+#ifdef Q8_VNNI
+
+/* Per-word shift counts for vpsrlvw: four 16-bit counts in a 64-bit element. */
+#define SH2 0x0002000200020002LL
+#define SH4 0x0004000400040004LL
+#define SH6 0x0006000600060006LL
+
+static inline __m512i vdot(__m512i u, const int8_t *q) {
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512((const void *)q));
+}
+
+/* lanes 0-7 <- v[0], lanes 8-15 <- v[1] */
+static inline __m512 spread2(__m128 v) {
+    return _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+                                 _mm512_castps128_ps512(v));
+}
+
+static inline __m128 load2(const float *p) { return _mm_castpd_ps(_mm_load_sd((const double *)p)); }
+
+/* Two 32-value blocks' unsigned codes, block i in bytes 0-31, block i + 1 in bytes 32-63. */
+static inline __m512i nibbles2(const uint8_t *q0, const uint8_t *q1) {
+    /* 128-bit lanes [q0, q0, q1, q1]; the low nibbles in lanes 0 and 2, the high in 1 and 3 */
+    const __m512i t = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)q0))),
+        _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)q1)), 1);
+    const __m512i shift = _mm512_set_epi64(SH4, SH4, 0, 0, SH4, SH4, 0, 0);
+    return _mm512_and_si512(_mm512_srlv_epi16(t, shift), _mm512_set1_epi8(0x0f));
+}
+
+static inline __m512i codes2(int t, const uint8_t *b0, const uint8_t *b1) {
+    if (t == T_Q8_0) {
+        const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2))),
+                                             _mm256_loadu_si256((const __m256i *)(b1 + 2)), 1);
+        return _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80)); /* q + 128 */
+    }
+    if (t == T_Q4_0) return nibbles2(b0 + 2, b1 + 2);
+    uint32_t h0, h1;
+    memcpy(&h0, b0 + 2, 4);
+    memcpy(&h1, b1 + 2, 4);
+    const __m512i lo = nibbles2(b0 + 6, b1 + 6); /* value v of a block: bit v of its qh */
+    return _mm512_mask_add_epi8(lo, (__mmask64)h0 | ((__mmask64)h1 << 32), lo, _mm512_set1_epi8(16));
+}
+
+/* One 32-value block in 256 bits (a row's last block when K / 32 is odd). */
+static inline __m256i codes1(int t, const uint8_t *b) {
+    if (t == T_Q8_0) return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b + 2)), _mm256_set1_epi8((char)0x80));
+    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(b + (t == T_Q5_0 ? 6 : 2))));
+    __m256i u = _mm256_and_si256(_mm256_srlv_epi16(v, _mm256_set_epi64x(SH4, SH4, 0, 0)), _mm256_set1_epi8(0x0f));
+    if (t == T_Q5_0) {
+        uint32_t h;
+        memcpy(&h, b + 2, 4);
+        u = _mm256_mask_add_epi8(u, (__mmask32)h, u, _mm256_set1_epi8(16));
+    }
+    return u;
+}
+
+/* Rows r < R of y[r] = x_r . row for the 32-value types; R is a constant where inlined. */
+static inline __attribute__((always_inline)) void rows_b32(int t, const uint8_t *row, const XRow *x, const int R,
+                                                           int K, float *y) {
+    const int bb = bytes_of(t), nb = K / 32;
+    const float offset = t == T_Q8_0 ? 128.f : t == T_Q5_0 ? 16.f : 8.f;
+    __m512 acc[TILE];
+    __m128 off[TILE];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), off[r] = _mm_setzero_ps();
+    int i = 0;
+    for (; i + 1 < nb; i += 2) {
+        const uint8_t *b0 = row + (size_t)i * bb, *b1 = b0 + bb;
+        const __m512i u = codes2(t, b0, b1);
+        const __m128 dw = _mm_set_ps(0.f, 0.f, f16(b1), f16(b0));
+        for (int r = 0; r < R; r++) {
+            const __m512 s = spread2(_mm_mul_ps(dw, load2(x[r].d32 + i)));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(vdot(u, x[r].q + 32 * i)), s, acc[r]);
+            off[r] = _mm_fmadd_ps(dw, load2(x[r].s32 + i), off[r]);
+        }
+    }
+    if (i < nb) {
+        const uint8_t *b = row + (size_t)i * bb;
+        const __m256i u = codes1(t, b);
+        const float dw = f16(b);
+        for (int r = 0; r < R; r++) {
+            const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u,
+                                                    _mm256_loadu_si256((const __m256i *)(x[r].q + 32 * i)));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_zextsi256_si512(dot)),
+                                     _mm512_set1_ps(dw * x[r].d32[i]), acc[r]);
+            off[r] = _mm_fmadd_ps(_mm_set_ss(dw), _mm_load_ss(x[r].s32 + i), off[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const __m128 o = _mm_add_ps(off[r], _mm_movehdup_ps(off[r])); /* lane 0: off0 + off1 */
+        y[r] = _mm512_reduce_add_ps(acc[r]) - offset * _mm_cvtss_f32(o);
+    }
+}
+
+/* A Q4_K / Q5_K block's 8 scales and 8 mins (6 bits each, packed in 12 bytes) as bytes. */
+static inline void k4_scales(const uint8_t *p, uint64_t *sc, uint64_t *mn) {
+    uint32_t w[3];
+    memcpy(w, p, 12);
+    const uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
+    *sc = (uint64_t)(w[0] & m6) | (uint64_t)((w[2] & m4) | (((w[0] >> 6) & m2) << 4)) << 32;
+    *mn = (uint64_t)(w[1] & m6) | (uint64_t)(((w[2] >> 4) & m4) | (((w[1] >> 6) & m2) << 4)) << 32;
+}
+
+static inline __m256 bytes8_ps(uint64_t v, float d) {
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)v))), _mm256_set1_ps(d));
+}
+
+/* Q4_K / Q5_K: 4 chunks of 64 values, sub-blocks 2c (bytes 0-31) and 2c + 1 (bytes 32-63). */
+static inline __attribute__((always_inline)) void rows_k45(int t, const uint8_t *row, const XRow *x, const int R,
+                                                           int K, float *y) {
+    const int bb = bytes_of(t);
+    __m512 acc[TILE];
+    __m256 mins[TILE];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), mins[r] = _mm256_setzero_ps();
+    const __m512i shift = _mm512_set_epi64(SH4, SH4, SH4, SH4, 0, 0, 0, 0), low4 = _mm512_set1_epi8(0x0f);
+    for (int i = 0; i < K / 256; i++) {
+        const uint8_t *b = row + (size_t)i * bb, *qs = b + (t == T_Q5_K ? 48 : 16);
+        uint64_t sc8, mn8;
+        k4_scales(b + 4, &sc8, &mn8);
+        const __m256 sc = bytes8_ps(sc8, f16(b)), mn = bytes8_ps(mn8, f16(b + 2));
+        __m512i u[4];
+        for (int c = 0; c < 4; c++) {
+            const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
+            u[c] = _mm512_and_si512(_mm512_srlv_epi16(v, shift), low4);
+        }
+        if (t == T_Q5_K) { /* bit j of qh[l]: the fifth bit of sub-block j's value l */
+            const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16)));
+            for (int c = 0; c < 4; c++) {
+                const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (2 * c))),
+                                                       _mm256_set1_epi8((char)(1 << (2 * c + 1))), 1);
+                u[c] = _mm512_mask_add_epi8(u[c], _mm512_test_epi8_mask(h, bit), u[c], _mm512_set1_epi8(16));
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const __m512 s = _mm512_castps256_ps512(_mm256_mul_ps(sc, _mm256_loadu_ps(x[r].d32 + 8 * i)));
+            const int8_t *q = x[r].q + 256 * i;
+            for (int c = 0; c < 4; c++) {
+                const __m512i idx = _mm512_set_epi32(2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1,
+                                                     2 * c + 1, 2 * c + 1, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c,
+                                                     2 * c, 2 * c);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(vdot(u[c], q + 64 * c)), _mm512_permutexvar_ps(idx, s),
+                                         acc[r]);
+            }
+            mins[r] = _mm256_fmadd_ps(mn, _mm256_loadu_ps(x[r].s32 + 8 * i), mins[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const __m128 m = _mm_add_ps(_mm256_castps256_ps128(mins[r]), _mm256_extractf128_ps(mins[r], 1));
+        const __m128 m2 = _mm_add_ps(m, _mm_movehl_ps(m, m));
+        y[r] = _mm512_reduce_add_ps(acc[r]) - _mm_cvtss_f32(_mm_add_ss(m2, _mm_movehdup_ps(m2)));
+    }
+}
+
+/* Q6_K: a 128-value half is two 64-value vectors, values 0-63 and 64-127, 16-value groups in order. */
+static inline __attribute__((always_inline)) void rows_q6_k(const uint8_t *row, const XRow *x, const int R, int K,
+                                                            float *y) {
+    __m512 acc[TILE], offs[TILE];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), offs[r] = _mm512_setzero_ps();
+    const __m512i low4 = _mm512_set1_epi8(0x0f), three = _mm512_set1_epi8(3);
+    const __m512i sh02 = _mm512_set_epi64(SH2, SH2, SH2, SH2, 0, 0, 0, 0);
+    const __m512i sh46 = _mm512_set_epi64(SH6, SH6, SH6, SH6, SH4, SH4, SH4, SH4);
+    for (int i = 0; i < K / 256; i++) {
+        const uint8_t *b = row + (size_t)i * 210;
+        const __m512 sc = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)))),
+                                        _mm512_set1_ps(f16(b + 208)));
+        __m512i u[4];
+        for (int n = 0; n < 2; n++) {
+            const __m512i ql = _mm512_loadu_si512((const void *)(b + 64 * n));
+            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * n)));
+            const __m512i h0 = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, sh02), three), 4);
+            const __m512i h1 = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, sh46), three), 4);
+            u[2 * n] = _mm512_or_si512(_mm512_and_si512(ql, low4), h0);
+            u[2 * n + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4), h1);
+        }
+        for (int r = 0; r < R; r++) {
+            const __m512 s = _mm512_mul_ps(sc, _mm512_loadu_ps(x[r].d16 + 16 * i));
+            const int8_t *q = x[r].q + 256 * i;
+            for (int g = 0; g < 4; g++) {
+                const __m512i idx = _mm512_set_epi32(4 * g + 3, 4 * g + 3, 4 * g + 3, 4 * g + 3, 4 * g + 2, 4 * g + 2,
+                                                     4 * g + 2, 4 * g + 2, 4 * g + 1, 4 * g + 1, 4 * g + 1, 4 * g + 1,
+                                                     4 * g, 4 * g, 4 * g, 4 * g);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(vdot(u[g], q + 64 * g)), _mm512_permutexvar_ps(idx, s),
+                                         acc[r]);
+            }
+            offs[r] = _mm512_fmadd_ps(sc, _mm512_loadu_ps(x[r].s16 + 16 * i), offs[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) y[r] = _mm512_reduce_add_ps(acc[r]) - 32.f * _mm512_reduce_add_ps(offs[r]);
+}
+
+#define FOR_R(CALL)                          \
+    switch (R) {                             \
+    case 1: { const int R_ = 1; CALL; } break; \
+    case 2: { const int R_ = 2; CALL; } break; \
+    case 3: { const int R_ = 3; CALL; } break; \
+    default: { const int R_ = 4; CALL; } break; \
+    }
+
+static void dot_rows(int t, const uint8_t *row, const XRow *x, int R, int K, float *y) {
+    if (t == T_Q4_K || t == T_Q5_K) {
+        FOR_R(rows_k45(t, row, x, R_, K, y))
+    } else if (t == T_Q6_K) {
+        FOR_R(rows_q6_k(row, x, R_, K, y))
+    } else {
+        FOR_R(rows_b32(t, row, x, R_, K, y))
+    }
+}
+#else
+static void dot_rows(int t, const uint8_t *row, const XRow *x, int R, int K, float *y) {
+    for (int r = 0; r < R; r++) y[r] = dot_row_c(t, row, x + r, K);
+}
+#endif
+
+/* ---------------------------------------------------------------- the matmul */
+
+/* Returns 0, or -1 for a type without an int8 path, a K that is not whole blocks, or no memory. */
+int ggml_q8_matmul(const float *x, const uint8_t *w, int t, float *y, int M, int N, int K, int64_t row_bytes,
+                   int threads) {
+    if (!supported(t) || K % qk_of(t) || M < 1 || (int64_t)(K / qk_of(t)) * bytes_of(t) != row_bytes) return -1;
+    const size_t per_row = (size_t)K + sizeof(float) * ((size_t)K / 32 * 2 + (size_t)K / 16 * 2);
+    uint8_t *buf = malloc(per_row * (size_t)M);
+    XRow *xr = malloc(sizeof(XRow) * (size_t)M);
+    if (!buf || !xr) {
+        free(buf);
+        free(xr);
+        return -1;
+    }
+#pragma omp parallel for num_threads(threads) schedule(static) if (M > 1)
+    for (int m = 0; m < M; m++) {
+        float *f = (float *)(buf + (size_t)M * K) + (size_t)m * (K / 32 * 2 + K / 16 * 2);
+        int8_t *q = (int8_t *)buf + (size_t)m * K;
+        float *d32 = f, *s32 = f + K / 32, *d16 = f + K / 16, *s16 = f + K / 8;
+        quantize_row(x + (size_t)m * K, K, q, d32, d16, s16, s32);
+        xr[m] = (XRow){q, d32, d16, s16, s32};
+    }
+    for (int m0 = 0; m0 < M; m0 += MCHUNK) {
+        const int mc = M - m0 < MCHUNK ? M - m0 : MCHUNK;
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int n = 0; n < N; n++) {
+            const uint8_t *row = w + (size_t)n * row_bytes;
+            float out[TILE];
+            for (int r0 = 0; r0 < mc; r0 += TILE) {
+                const int R = mc - r0 < TILE ? mc - r0 : TILE;
+                dot_rows(t, row, xr + m0 + r0, R, K, out);
+                for (int r = 0; r < R; r++) y[(size_t)(m0 + r0 + r) * N + n] = out[r];
+            }
+        }
+    }
+    free(buf);
+    free(xr);
+    return 0;
+}
+
+/* The plain C path whatever this build has (the tests compare it with the vector path). */
+int ggml_q8_matmul_reference(const float *x, const uint8_t *w, int t, float *y, int M, int N, int K,
+                             int64_t row_bytes) {
+    if (!supported(t) || K % qk_of(t) || M < 1 || (int64_t)(K / qk_of(t)) * bytes_of(t) != row_bytes) return -1;
+    int8_t *q = malloc((size_t)K);
+    float *f = malloc(sizeof(float) * ((size_t)K / 32 * 2 + (size_t)K / 16 * 2));
+    if (!q || !f) {
+        free(q);
+        free(f);
+        return -1;
+    }
+    float *d32 = f, *s32 = f + K / 32, *d16 = f + K / 16, *s16 = f + K / 8;
+    for (int m = 0; m < M; m++) {
+        quantize_row(x + (size_t)m * K, K, q, d32, d16, s16, s32);
+        const XRow xr = {q, d32, d16, s16, s32};
+        for (int n = 0; n < N; n++) y[(size_t)m * N + n] = dot_row_c(t, w + (size_t)n * row_bytes, &xr, K);
+    }
+    free(q);
+    free(f);
+    return 0;
+}
