@@ -19,7 +19,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="CUDA: run decode steps eagerly instead of through captured CUDA graphs")
     p.add_argument("--no-kv-cache", action="store_true",
                    help="recompute the whole sequence every step (the O(T^2) baseline)")
-    p.add_argument("--kv-cache-gib", type=float, default=None, help="KV pool size in GiB")
+    p.add_argument("--kv-cache-gib", type=float, default=None,
+                   help="KV pool size in GiB (default: --max-model-len tokens in every layer, at most half the "
+                        "memory available once the weights are loaded)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
                    help="KV storage: the model's dtype, or int8 / fp8 (e4m3) with per-token, per-head scales")
     p.add_argument("--max-model-len", type=int, default=None, help="context window cap")

@@ -19,15 +19,6 @@ WEIGHTS = ("float", "int8", "int4", "gguf")
 GGUF_ACTIVATIONS = ("int8", "float")
 
 
-def _default_kv_cache_gib() -> float:
-    """A tenth of physical memory, capped at 4 GiB: ample for a 270M model on a laptop."""
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 2.0
-    return round(min(4.0, total / 2**30 / 10), 2)
-
-
 def _positive_int(owner: object, name: str, optional: bool = False) -> None:
     v = getattr(owner, name)
     if optional and v is None:
@@ -48,7 +39,7 @@ class CacheConfig:
     that leave a sliding window; `use_kv_cache=False` is the recompute-everything baseline."""
 
     block_size: int = 16
-    kv_cache_gib: float = 2.0
+    kv_cache_gib: float | None = None  # None: automatic (kvserve/engine/builder.py auto_kv_bytes)
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     use_kv_cache: bool = True
@@ -57,7 +48,7 @@ class CacheConfig:
     def __post_init__(self) -> None:
         _positive_int(self, "block_size")
         gib = self.kv_cache_gib
-        if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not gib > 0:
+        if gib is not None and (isinstance(gib, bool) or not isinstance(gib, (int, float)) or not gib > 0):
             raise ValueError(f"kv_cache_gib must be a positive number, got {gib!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
@@ -170,7 +161,9 @@ class EngineConfig:
     # bfloat16 on CUDA (half the bytes each decode step reads; tensor cores).
     dtype: str = "auto"
     block_size: int = 16
-    kv_cache_gib: float | None = None  # KV pool budget; None = _default_kv_cache_gib()
+    # KV pool budget. None: enough for max_model_len tokens in every layer, at most half the memory
+    # still available once the weights are loaded (kvserve/engine/builder.py auto_kv_bytes).
+    kv_cache_gib: float | None = None
     # How the pool stores K/V: "auto" (the model's dtype), "int8" or "fp8" (e4m3), both with one
     # fp32 scale per token and KV head, dequantized when attention reads them.
     kv_cache_dtype: str = "auto"
@@ -251,8 +244,6 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         _positive_int(self, "num_threads", optional=True)
         _flag(self, "enforce_eager")
-        if self.kv_cache_gib is None:
-            self.kv_cache_gib = _default_kv_cache_gib()
         if self.weights == "fp32":  # llama.cpp's name for unquantized fp32 weights
             if self.dtype not in ("float32", "fp32"):
                 raise ValueError(f"weights 'fp32' contradicts dtype {self.dtype!r}: use weights='float'")

@@ -32,7 +32,7 @@ def test_parts_carry_the_values_given_to_the_engine_config():
 def test_defaults_are_resolved_before_the_parts_are_made():
     cfg = EngineConfig(weights="fp32")
     assert cfg.dtype == "float32" and cfg.weights_config.weights == "float"
-    assert cfg.cache_config.kv_cache_gib == cfg.kv_cache_gib > 0
+    assert cfg.cache_config.kv_cache_gib is cfg.kv_cache_gib is None  # automatic: the engine sizes the pool
 
 
 @pytest.mark.parametrize("make,field", [

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -24,9 +27,10 @@ from kvserve.config import (
 from kvserve.engine.block_manager import BlockManager
 from kvserve.engine.cuda_graphs import DecodeGraphs
 from kvserve.engine.scheduler import Scheduler
-from kvserve.kernels.host_memory import keep_freed_memory
+from kvserve.kernels.host_memory import available_memory_bytes, keep_freed_memory
 from kvserve.loading import LoadedModel, load_model
-from kvserve.loading.loader import build_model
+from kvserve.loading.footprint import weight_footprint
+from kvserve.loading.loader import build_model, default_model_path, resolve_dtype
 from kvserve.model.attention import KVCache
 from kvserve.model.base import stored_weight_bytes
 from kvserve.model.config import LayerGroup, ModelConfig, kv_layer_groups
@@ -39,6 +43,12 @@ log = logging.getLogger(__name__)
 # StreamingLLM's default context cap: a position is only a stream index there (the model sees
 # ranks in its bounded cache), so this bounds bookkeeping, not memory. --max-model-len changes it.
 STREAMING_MAX_MODEL_LEN = 1 << 20
+# The automatic KV pool takes at most this share of the memory available once the weights are in.
+AUTO_KV_SHARE = 0.5
+
+
+class InsufficientMemoryError(MemoryError):
+    """The model and its KV pool will not fit in the memory available; raised before loading."""
 
 
 @dataclasses.dataclass
@@ -56,6 +66,26 @@ def set_up_host(cfg: EngineConfig) -> None:
         torch.set_num_threads(cfg.num_threads)
     if torch.device(cfg.device).type == "cpu":
         keep_freed_memory()  # no page faults on each step's large temporaries
+
+
+def check_memory(cfg: EngineConfig) -> None:
+    """Refuse, before anything loads, a CPU engine whose weights (as cfg.weights keeps them, from
+    the file's headers) and explicit KV pool exceed the memory available, naming the numbers.
+    Skipped where the available memory cannot be read, or the model path does not exist (the
+    load names that problem)."""
+    path = Path(cfg.model).expanduser() if cfg.model is not None else default_model_path()
+    available = available_memory_bytes()
+    if torch.device(cfg.device).type != "cpu" or available is None or not path.exists():
+        return
+    w = cfg.weights_config
+    weights = weight_footprint(path, w.weights, resolve_dtype(cfg.dtype), w.pack_weights and not w.compile)
+    kv = int(cfg.kv_cache_gib * 2**30) if cfg.kv_cache_gib is not None else 0
+    if weights + kv > available:
+        kv_part = f" + KV pool {kv / 1e9:.2f} GB (--kv-cache-gib)" if kv else ""
+        raise InsufficientMemoryError(
+            f"{path.name}: weights {weights / 1e9:.2f} GB as --weights {w.weights} keeps them{kv_part} = "
+            f"{(weights + kv) / 1e9:.2f} GB, but {available / 1e9:.2f} GB of memory is available; use a "
+            f"smaller --kv-cache-gib, --weights gguf (a GGUF's own blocks) or int4, or --no-pack-weights")
 
 
 def load_weights(cfg: EngineConfig, loaded: LoadedModel | None) -> LoadedModel:
@@ -156,14 +186,35 @@ def layer_groups(cfg: EngineConfig, mc: ModelConfig, policies: list[StreamPolicy
     return kv_layer_groups(mc, release)
 
 
+def auto_kv_bytes(max_len: int, page_bytes: int, num_groups: int, block_size: int, available: int | None) -> int:
+    """The automatic pool: max_len tokens in every layer group (sliding groups release blocks,
+    so this holds more than one full-length sequence), at most AUTO_KV_SHARE of the memory
+    available now (the weights are in); where that cannot be read, of a tenth of physical memory
+    capped at 4 GiB."""
+    want = num_groups * math.ceil(max_len / block_size) * page_bytes
+    if available is None:
+        try:
+            available = min(4 << 30, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 10) / AUTO_KV_SHARE
+        except (ValueError, OSError, AttributeError):
+            available = (2 << 30) / AUTO_KV_SHARE
+    return int(min(want, AUTO_KV_SHARE * available))
+
+
 def kv_pool(cfg: CacheConfig, device: str, mc: ModelConfig, groups: list[LayerGroup], kv_dtype: torch.dtype,
-            pad_page: bool) -> KVPool:
-    """As many pages as kv_cache_gib holds (at least one per layer group). `pad_page`: one page
-    more past the block manager's pool, which a captured decode step's padding rows write into."""
+            pad_page: bool, max_len: int) -> KVPool:
+    """As many pages as kv_cache_gib holds, or the automatic budget (auto_kv_bytes: CPU memory;
+    on CUDA a fixed 2 GiB) when it is None; at least one page per layer group. `pad_page`: one
+    page more past the block manager's pool, which a captured decode step's padding rows write into."""
     heads, k_dim, v_dim = mc.kv_cache_layout  # MLA: latent + RoPE key
     per_token_head = KVCache.bytes_per_token_head(k_dim, kv_dtype, cfg.kv_cache_dtype, v_dim)
     page_bytes = len(groups[0].layers) * heads * per_token_head * cfg.block_size
-    num_blocks = max(len(groups), int(cfg.kv_cache_gib * 2**30 // page_bytes))
+    if cfg.kv_cache_gib is not None:
+        budget = cfg.kv_cache_gib * 2**30
+    elif torch.device(device).type == "cpu":
+        budget = auto_kv_bytes(max_len, page_bytes, len(groups), cfg.block_size, available_memory_bytes())
+    else:
+        budget = 2 << 30
+    num_blocks = max(len(groups), int(budget // page_bytes))
     cache = KVCache(mc.num_layers, (num_blocks + int(pad_page)) * cfg.block_size, heads, k_dim,
                     kv_dtype, device, layer_groups=[g.layers for g in groups],
                     kv_dtype=cfg.kv_cache_dtype, v_head_dim=v_dim, kv_source=mc.kv_source)

@@ -37,6 +37,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
         self.config = cfg = config or EngineConfig()
         builder.set_up_host(cfg)
+        if loaded is None:
+            builder.check_memory(cfg)
         self.loaded = builder.load_weights(cfg, loaded)
         self.model_config = mc = self.loaded.model.config
         self.tokenizer = self.loaded.tokenizer
@@ -46,7 +48,8 @@ class LLMEngine:
         self.layer_groups = builder.layer_groups(cfg, mc, self.stream_policies)
         graphs = self._cuda_graphs_apply()
         kv_dtype = next(self.loaded.model.parameters()).dtype
-        pool = builder.kv_pool(cfg.cache_config, cfg.device, mc, self.layer_groups, kv_dtype, graphs)
+        pool = builder.kv_pool(cfg.cache_config, cfg.device, mc, self.layer_groups, kv_dtype, graphs,
+                               self.max_model_len)
         self.kv_cache, self.page_bytes, self.num_blocks = pool.cache, pool.page_bytes, pool.num_blocks
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, cfg.block_size, cfg.device,
                                   stream_policies=self.stream_policies, compile=cfg.compile)

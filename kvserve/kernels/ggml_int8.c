@@ -28,6 +28,7 @@
 
 #define TILE 4     /* rows of x per pass over a weight row */
 #define MCHUNK 64  /* rows of x whose codes stay in cache while every weight row passes */
+#define GEMM_MIN_ROWS 64 /* more rows than this (prefill chunks): the GEMM; up to it (decode): per row */
 
 typedef struct {
     const int8_t *q;  /* [K] codes */
@@ -78,11 +79,41 @@ static void quantize_row(const float *x, int K, int8_t *q, float *d32, float *d1
 
 /* ---------------------------------------------------------------- plain C: any CPU */
 
-/* A block's unsigned codes u [qk], and per 16 values the weight scale and offset scale. */
-static void unpack_block(int t, const uint8_t *b, uint8_t *u, float *ws, float *wo) {
+/* Per 16 values of a block: the weight scale ws and the offset scale wo. */
+static void block_scales(int t, const uint8_t *b, float *ws, float *wo) {
+    switch (t) {
+    case T_Q4_0: case T_Q5_0: case T_Q8_0: {
+        const float d = f16(b);
+        ws[0] = ws[1] = d;
+        wo[0] = wo[1] = d * (t == T_Q8_0 ? 128.f : t == T_Q5_0 ? 16.f : 8.f);
+        return;
+    }
+    case T_Q4_K: case T_Q5_K: {
+        const float d = f16(b), dmin = f16(b + 2);
+        const uint8_t *sc = b + 4;
+        for (int j = 0; j < 8; j++) { /* the 32-value sub-blocks' 6-bit scales and mins */
+            const int s = j < 4 ? sc[j] & 63 : (sc[j + 4] & 0x0f) | ((sc[j - 4] >> 6) << 4);
+            const int m = j < 4 ? sc[j + 4] & 63 : (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+            ws[2 * j] = ws[2 * j + 1] = d * (float)s;
+            wo[2 * j] = wo[2 * j + 1] = dmin * (float)m;
+        }
+        return;
+    }
+    default: { /* Q6_K */
+        const float d = f16(b + 208);
+        const int8_t *sc = (const int8_t *)(b + 192);
+        for (int g = 0; g < 16; g++) {
+            ws[g] = d * (float)sc[g];
+            wo[g] = ws[g] * 32.f;
+        }
+    }
+    }
+}
+
+/* A block's unsigned codes u [qk]. */
+static void block_codes(int t, const uint8_t *b, uint8_t *u) {
     switch (t) {
     case T_Q4_0: case T_Q5_0: {
-        const float d = f16(b);
         uint32_t qh = 0;
         if (t == T_Q5_0) memcpy(&qh, b + 2, 4);
         const uint8_t *qs = b + (t == T_Q5_0 ? 6 : 2);
@@ -90,38 +121,21 @@ static void unpack_block(int t, const uint8_t *b, uint8_t *u, float *ws, float *
             u[j] = (uint8_t)((qs[j] & 0x0f) | (((qh >> j) & 1) << 4));
             u[j + 16] = (uint8_t)((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4));
         }
-        ws[0] = ws[1] = d;
-        wo[0] = wo[1] = d * (t == T_Q5_0 ? 16.f : 8.f);
         return;
     }
-    case T_Q8_0: {
-        const float d = f16(b);
+    case T_Q8_0:
         for (int j = 0; j < 32; j++) u[j] = (uint8_t)((int8_t)b[2 + j] + 128);
-        ws[0] = ws[1] = d;
-        wo[0] = wo[1] = d * 128.f;
         return;
-    }
     case T_Q4_K: case T_Q5_K: {
-        const float d = f16(b), dmin = f16(b + 2);
-        const uint8_t *sc = b + 4, *qh = b + 16, *qs = b + (t == T_Q5_K ? 48 : 16);
-        for (int c = 0; c < 4; c++) {
-            for (int h = 0; h < 2; h++) {
-                const int j = 2 * c + h; /* the 32-value sub-block */
-                const int s = j < 4 ? sc[j] & 63 : (sc[j + 4] & 0x0f) | ((sc[j - 4] >> 6) << 4);
-                const int m = j < 4 ? sc[j + 4] & 63 : (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
-                for (int l = 0; l < 32; l++) {
-                    const int hi = t == T_Q5_K ? ((qh[l] >> j) & 1) << 4 : 0;
-                    u[32 * j + l] = (uint8_t)(((qs[32 * c + l] >> (4 * h)) & 0x0f) | hi);
-                }
-                ws[2 * j] = ws[2 * j + 1] = d * (float)s;
-                wo[2 * j] = wo[2 * j + 1] = dmin * (float)m;
+        const uint8_t *qh = b + 16, *qs = b + (t == T_Q5_K ? 48 : 16);
+        for (int j = 0; j < 8; j++)
+            for (int l = 0; l < 32; l++) {
+                const int hi = t == T_Q5_K ? ((qh[l] >> j) & 1) << 4 : 0;
+                u[32 * j + l] = (uint8_t)(((qs[32 * (j / 2) + l] >> (4 * (j % 2))) & 0x0f) | hi);
             }
-        }
         return;
     }
-    default: { /* Q6_K */
-        const float d = f16(b + 208);
-        const int8_t *sc = (const int8_t *)(b + 192);
+    default: /* Q6_K */
         for (int n = 0; n < 2; n++) {
             const uint8_t *ql = b + 64 * n, *qh = b + 128 + 32 * n;
             uint8_t *o = u + 128 * n;
@@ -132,11 +146,6 @@ static void unpack_block(int t, const uint8_t *b, uint8_t *u, float *ws, float *
                 o[l + 96] = (uint8_t)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4));
             }
         }
-        for (int g = 0; g < 16; g++) {
-            ws[g] = d * (float)sc[g];
-            wo[g] = ws[g] * 32.f;
-        }
-    }
     }
 }
 
@@ -145,7 +154,8 @@ static float dot_row_c(int t, const uint8_t *row, const XRow *x, int K) {
     uint8_t u[256];
     float ws[16], wo[16], acc = 0.f, off = 0.f;
     for (int i = 0; i < K / qk; i++) {
-        unpack_block(t, row + (size_t)i * bb, u, ws, wo);
+        block_codes(t, row + (size_t)i * bb, u);
+        block_scales(t, row + (size_t)i * bb, ws, wo);
         for (int g = 0; g < qk / 16; g++) {
             const int k0 = i * qk + 16 * g;
             int dot = 0;
@@ -264,6 +274,39 @@ static inline __m256 bytes8_ps(uint64_t v, float d) {
     return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)v))), _mm256_set1_ps(d));
 }
 
+/* A Q4_K / Q5_K block's codes: u[c] = sub-blocks 2c (bytes 0-31) and 2c + 1 (bytes 32-63). */
+static inline __attribute__((always_inline)) void k45_codes(int t, const uint8_t *b, __m512i u[4]) {
+    const uint8_t *qs = b + (t == T_Q5_K ? 48 : 16);
+    const __m512i shift = _mm512_set_epi64(SH4, SH4, SH4, SH4, 0, 0, 0, 0), low4 = _mm512_set1_epi8(0x0f);
+    for (int c = 0; c < 4; c++) {
+        const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
+        u[c] = _mm512_and_si512(_mm512_srlv_epi16(v, shift), low4);
+    }
+    if (t == T_Q5_K) { /* bit j of qh[l]: the fifth bit of sub-block j's value l */
+        const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16)));
+        for (int c = 0; c < 4; c++) {
+            const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (2 * c))),
+                                                   _mm256_set1_epi8((char)(1 << (2 * c + 1))), 1);
+            u[c] = _mm512_mask_add_epi8(u[c], _mm512_test_epi8_mask(h, bit), u[c], _mm512_set1_epi8(16));
+        }
+    }
+}
+
+/* A Q6_K block's codes in value order: u[2n] = values 0-63 of half n, u[2n + 1] = values 64-127. */
+static inline __attribute__((always_inline)) void q6k_codes(const uint8_t *b, __m512i u[4]) {
+    const __m512i low4 = _mm512_set1_epi8(0x0f), three = _mm512_set1_epi8(3);
+    const __m512i sh02 = _mm512_set_epi64(SH2, SH2, SH2, SH2, 0, 0, 0, 0);
+    const __m512i sh46 = _mm512_set_epi64(SH6, SH6, SH6, SH6, SH4, SH4, SH4, SH4);
+    for (int n = 0; n < 2; n++) {
+        const __m512i ql = _mm512_loadu_si512((const void *)(b + 64 * n));
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * n)));
+        const __m512i h0 = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, sh02), three), 4);
+        const __m512i h1 = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, sh46), three), 4);
+        u[2 * n] = _mm512_or_si512(_mm512_and_si512(ql, low4), h0);
+        u[2 * n + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4), h1);
+    }
+}
+
 /* Q4_K / Q5_K: 4 chunks of 64 values, sub-blocks 2c (bytes 0-31) and 2c + 1 (bytes 32-63). */
 static inline __attribute__((always_inline)) void rows_k45(int t, const uint8_t *row, const XRow *x, const int R,
                                                            int K, float *y) {
@@ -271,25 +314,13 @@ static inline __attribute__((always_inline)) void rows_k45(int t, const uint8_t 
     __m512 acc[TILE];
     __m256 mins[TILE];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), mins[r] = _mm256_setzero_ps();
-    const __m512i shift = _mm512_set_epi64(SH4, SH4, SH4, SH4, 0, 0, 0, 0), low4 = _mm512_set1_epi8(0x0f);
     for (int i = 0; i < K / 256; i++) {
-        const uint8_t *b = row + (size_t)i * bb, *qs = b + (t == T_Q5_K ? 48 : 16);
+        const uint8_t *b = row + (size_t)i * bb;
         uint64_t sc8, mn8;
         k4_scales(b + 4, &sc8, &mn8);
         const __m256 sc = bytes8_ps(sc8, f16(b)), mn = bytes8_ps(mn8, f16(b + 2));
         __m512i u[4];
-        for (int c = 0; c < 4; c++) {
-            const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
-            u[c] = _mm512_and_si512(_mm512_srlv_epi16(v, shift), low4);
-        }
-        if (t == T_Q5_K) { /* bit j of qh[l]: the fifth bit of sub-block j's value l */
-            const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16)));
-            for (int c = 0; c < 4; c++) {
-                const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (2 * c))),
-                                                       _mm256_set1_epi8((char)(1 << (2 * c + 1))), 1);
-                u[c] = _mm512_mask_add_epi8(u[c], _mm512_test_epi8_mask(h, bit), u[c], _mm512_set1_epi8(16));
-            }
-        }
+        k45_codes(t, b, u);
         for (int r = 0; r < R; r++) {
             const __m512 s = _mm512_castps256_ps512(_mm256_mul_ps(sc, _mm256_loadu_ps(x[r].d32 + 8 * i)));
             const int8_t *q = x[r].q + 256 * i;
@@ -315,22 +346,12 @@ static inline __attribute__((always_inline)) void rows_q6_k(const uint8_t *row, 
                                                             float *y) {
     __m512 acc[TILE], offs[TILE];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), offs[r] = _mm512_setzero_ps();
-    const __m512i low4 = _mm512_set1_epi8(0x0f), three = _mm512_set1_epi8(3);
-    const __m512i sh02 = _mm512_set_epi64(SH2, SH2, SH2, SH2, 0, 0, 0, 0);
-    const __m512i sh46 = _mm512_set_epi64(SH6, SH6, SH6, SH6, SH4, SH4, SH4, SH4);
     for (int i = 0; i < K / 256; i++) {
         const uint8_t *b = row + (size_t)i * 210;
         const __m512 sc = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)))),
                                         _mm512_set1_ps(f16(b + 208)));
         __m512i u[4];
-        for (int n = 0; n < 2; n++) {
-            const __m512i ql = _mm512_loadu_si512((const void *)(b + 64 * n));
-            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * n)));
-            const __m512i h0 = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, sh02), three), 4);
-            const __m512i h1 = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, sh46), three), 4);
-            u[2 * n] = _mm512_or_si512(_mm512_and_si512(ql, low4), h0);
-            u[2 * n + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4), h1);
-        }
+        q6k_codes(b, u);
         for (int r = 0; r < R; r++) {
             const __m512 s = _mm512_mul_ps(sc, _mm512_loadu_ps(x[r].d16 + 16 * i));
             const int8_t *q = x[r].q + 256 * i;
@@ -364,6 +385,141 @@ static void dot_rows(int t, const uint8_t *row, const XRow *x, int R, int K, flo
         FOR_R(rows_b32(t, row, x, R_, K, y))
     }
 }
+
+/* ---- many rows of x (prefill): a GEMM over weight rows unpacked 16 at a time
+ *
+ * The 16 rows' codes are interleaved 4 bytes at a time ([K / 4][16 rows][4 bytes]), so one
+ * vpdpbusd multiplies 4 values of an x row (broadcast) into all 16 rows at once and each int32
+ * lane ends a group (32 values; 16 for Q6_K) holding that row's exact integer dot. Per group and
+ * x row the float work is then one conversion and two multiply-adds for 16 outputs, against the
+ * per-row kernel's one per 64 values: about 3x fewer instructions per multiply-add. */
+#define NT 16 /* weight rows per packed tile: the 16 int32 lanes */
+#define MR 8  /* x rows per register tile */
+
+static int group_of(int t) { return t == T_Q6_K ? 16 : 32; }
+
+/* A row's codes in value order into u [K] (the per-row kernels' unpacking, stored). */
+static void row_codes(int t, const uint8_t *row, int K, uint8_t *u) {
+    const int bb = bytes_of(t);
+    if (t == T_Q4_K || t == T_Q5_K || t == T_Q6_K) {
+        for (int i = 0; i < K / 256; i++) {
+            __m512i v[4];
+            if (t == T_Q6_K) q6k_codes(row + (size_t)i * bb, v);
+            else k45_codes(t, row + (size_t)i * bb, v);
+            for (int c = 0; c < 4; c++) _mm512_storeu_si512((void *)(u + 256 * i + 64 * c), v[c]);
+        }
+        return;
+    }
+    int i = 0;
+    for (; i + 1 < K / 32; i += 2)
+        _mm512_storeu_si512((void *)(u + 32 * i), codes2(t, row + (size_t)i * bb, row + (size_t)(i + 1) * bb));
+    if (i < K / 32) _mm256_storeu_si256((__m256i *)(u + 32 * i), codes1(t, row + (size_t)i * bb));
+}
+
+/* Weight rows n0 .. n0 + nr - 1 (nr <= 16; missing rows zero) packed: codes [K / 4][16][4] into
+ * `packed`, and per group the 16 rows' weight and offset scales, ws / wo [K / G][16]. */
+static void pack_tile(int t, const uint8_t *w, int64_t row_bytes, int n0, int nr, int K, uint8_t *rows,
+                      uint8_t *packed, float *ws, float *wo) {
+    const int qk = qk_of(t), G = group_of(t), per16 = G / 16, bb = bytes_of(t);
+    float s16[16], o16[16];
+    for (int r = 0; r < NT; r++) {
+        const uint8_t *row = w + (size_t)(n0 + r) * row_bytes;
+        if (r >= nr) {
+            memset(rows + (size_t)r * K, 0, (size_t)K);
+            for (int g = 0; g < K / G; g++) ws[NT * g + r] = wo[NT * g + r] = 0.f;
+            continue;
+        }
+        row_codes(t, row, K, rows + (size_t)r * K);
+        for (int i = 0; i < K / qk; i++) {
+            block_scales(t, row + (size_t)i * bb, s16, o16);
+            for (int j = 0; j < qk / G; j++) {
+                ws[NT * (i * (qk / G) + j) + r] = s16[j * per16];
+                wo[NT * (i * (qk / G) + j) + r] = o16[j * per16];
+            }
+        }
+    }
+    const uint32_t *src = (const uint32_t *)rows;
+    uint32_t *dst = (uint32_t *)packed;
+    for (int k4 = 0; k4 < K / 4; k4++)
+        for (int r = 0; r < NT; r++) dst[NT * k4 + r] = src[(size_t)r * (K / 4) + k4];
+}
+
+/* out [R][16] = x rows . the tile's 16 rows; G and R constants where inlined. */
+static inline __attribute__((always_inline)) void gemm_tile(const uint8_t *packed, const float *ws, const float *wo,
+                                                            int K, const int G, const XRow *x, const int R,
+                                                            float *out) {
+    __m512 acc[MR], off[MR];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), off[r] = _mm512_setzero_ps();
+    for (int g = 0; g < K / G; g++) {
+        __m512i dot[MR];
+        for (int r = 0; r < R; r++) dot[r] = _mm512_setzero_si512();
+        const uint8_t *pg = packed + (size_t)g * G * NT;
+        for (int s = 0; s < G / 4; s++) {
+            const __m512i wv = _mm512_loadu_si512((const void *)(pg + 64 * s));
+            for (int r = 0; r < R; r++) {
+                int32_t xv;
+                memcpy(&xv, x[r].q + G * g + 4 * s, 4);
+                dot[r] = _mm512_dpbusd_epi32(dot[r], wv, _mm512_set1_epi32(xv));
+            }
+        }
+        const __m512 sw = _mm512_loadu_ps(ws + NT * g), so = _mm512_loadu_ps(wo + NT * g);
+        for (int r = 0; r < R; r++) {
+            const float dx = G == 32 ? x[r].d32[g] : x[r].d16[g], sx = G == 32 ? x[r].s32[g] : x[r].s16[g];
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(sw, _mm512_set1_ps(dx)), acc[r]);
+            off[r] = _mm512_fmadd_ps(so, _mm512_set1_ps(sx), off[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + NT * r, _mm512_sub_ps(acc[r], off[r]));
+}
+
+#define FOR_R8(CALL)                                  \
+    switch (R) {                                      \
+    case 1: { const int R_ = 1; CALL; } break;        \
+    case 2: { const int R_ = 2; CALL; } break;        \
+    case 3: { const int R_ = 3; CALL; } break;        \
+    case 4: { const int R_ = 4; CALL; } break;        \
+    case 5: { const int R_ = 5; CALL; } break;        \
+    case 6: { const int R_ = 6; CALL; } break;        \
+    case 7: { const int R_ = 7; CALL; } break;        \
+    default: { const int R_ = 8; CALL; } break;       \
+    }
+
+/* y [M, N] for the quantized rows xr; returns -1 when a thread's buffers cannot be had. */
+static int gemm(const XRow *xr, const uint8_t *w, int t, float *y, int M, int N, int K, int64_t row_bytes,
+                int threads) {
+    const int G = group_of(t), tiles = (N + NT - 1) / NT;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        uint8_t *rows = malloc((size_t)NT * K), *packed = aligned_alloc(64, (size_t)NT * K);
+        float *ws = malloc(sizeof(float) * NT * (K / G)), *wo = malloc(sizeof(float) * NT * (K / G));
+        if (!rows || !packed || !ws || !wo) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int tile = 0; tile < tiles; tile++) {
+            if (!rows || !packed || !ws || !wo) continue;
+            const int n0 = NT * tile, nr = N - n0 < NT ? N - n0 : NT;
+            pack_tile(t, w, row_bytes, n0, nr, K, rows, packed, ws, wo);
+            float out[MR * NT];
+            for (int m0 = 0; m0 < M; m0 += MR) {
+                const int R = M - m0 < MR ? M - m0 : MR;
+                if (G == 32) {
+                    FOR_R8(gemm_tile(packed, ws, wo, K, 32, xr + m0, R_, out))
+                } else {
+                    FOR_R8(gemm_tile(packed, ws, wo, K, 16, xr + m0, R_, out))
+                }
+                for (int r = 0; r < R; r++) memcpy(y + (size_t)(m0 + r) * N + n0, out + NT * r, sizeof(float) * nr);
+            }
+        }
+        free(rows);
+        free(packed);
+        free(ws);
+        free(wo);
+    }
+    return failed ? -1 : 0;
+}
 #else
 static void dot_rows(int t, const uint8_t *row, const XRow *x, int R, int K, float *y) {
     for (int r = 0; r < R; r++) y[r] = dot_row_c(t, row, x + r, K);
@@ -392,6 +548,14 @@ int ggml_q8_matmul(const float *x, const uint8_t *w, int t, float *y, int M, int
         quantize_row(x + (size_t)m * K, K, q, d32, d16, s16, s32);
         xr[m] = (XRow){q, d32, d16, s16, s32};
     }
+#ifdef Q8_VNNI
+    if (M > GEMM_MIN_ROWS) {
+        const int rc = gemm(xr, w, t, y, M, N, K, row_bytes, threads);
+        free(buf);
+        free(xr);
+        return rc;
+    }
+#endif
     for (int m0 = 0; m0 < M; m0 += MCHUNK) {
         const int mc = M - m0 < MCHUNK ? M - m0 : MCHUNK;
 #pragma omp parallel for num_threads(threads) schedule(static)

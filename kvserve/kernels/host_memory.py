@@ -19,6 +19,7 @@ import os
 import platform
 import sys
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 
@@ -116,3 +117,23 @@ def release_freed_memory() -> bool:
     libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
     libc.malloc_trim(0)
     return True
+
+
+def available_memory_bytes() -> int | None:
+    """Memory this process can still take: the kernel's MemAvailable (free memory plus what the
+    page cache can give back), lowered to the room left under a cgroup v2 limit (a container's);
+    None where neither can be read (not Linux)."""
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+        available = next(int(line.split()[1]) * 1024 for line in meminfo.splitlines()
+                         if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            available = min(available, max(0, int(limit) - used))
+    except (OSError, ValueError):
+        pass
+    return available

@@ -1,0 +1,74 @@
+"""Memory you can plan: the weights' footprint read from file headers before loading, a refusal
+with the numbers when the model will not fit, and the automatic KV pool sized from max_model_len
+and the memory available."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvserve import LLM
+from kvserve.accel.prepare import fast_path_nbytes
+from kvserve.engine import builder
+from kvserve.loading.footprint import file_tensors, weight_footprint
+from kvserve.model.base import stored_weight_bytes
+from tests.tiny_models import make_model
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama")
+    make_model("llama", folder)
+    return folder
+
+
+def test_footprint_from_headers_matches_what_the_engine_then_holds(tiny_llama):
+    elements, stored = file_tensors(tiny_llama)
+    llm = LLM(model=str(tiny_llama), kv_cache_gib=0.01)
+    model = llm.engine.loaded.model
+    assert elements == sum(p.numel() for p in model.parameters())
+    held = stored_weight_bytes(model) + fast_path_nbytes(model)
+    predicted = weight_footprint(tiny_llama, "float", torch.float32, pack=True)
+    assert predicted == 2 * 4 * elements
+    # The packed copy pads panels and adds the head's int8 screen, and skips the norms: near the plan.
+    assert 0.9 * predicted <= held <= 1.35 * predicted
+    assert weight_footprint(tiny_llama, "float", torch.float32, pack=False) == stored_weight_bytes(model)
+    assert weight_footprint(tiny_llama, "float", torch.bfloat16, pack=True) == 2 * elements
+    assert weight_footprint(tiny_llama, "int4", torch.float32, pack=True) == 4 * elements  # the fp32 load
+
+
+def test_gguf_blocks_footprint_is_the_files_tensor_bytes(gemma_path):
+    elements, stored = file_tensors(gemma_path)
+    assert weight_footprint(gemma_path, "gguf", torch.float32, pack=True) == stored
+    assert 2.5e8 < elements < 2.8e8 and 2.0e8 < stored < 2.6e8  # 268M values, about 6.6 bits each
+
+
+def test_a_model_that_will_not_fit_is_refused_before_loading(tiny_llama, monkeypatch):
+    def no_load(*args, **kwargs):
+        raise AssertionError("loaded despite the refusal")
+
+    monkeypatch.setattr(builder, "load_model", no_load)
+    monkeypatch.setattr(builder, "available_memory_bytes", lambda: 10**6)
+    with pytest.raises(builder.InsufficientMemoryError) as e:
+        LLM(model=str(tiny_llama), kv_cache_gib=0.01)
+    weights = weight_footprint(tiny_llama, "float", torch.float32, pack=True)
+    assert f"weights {weights / 1e9:.2f} GB as --weights float" in str(e.value)
+    assert "KV pool 0.01 GB (--kv-cache-gib)" in str(e.value) and "0.00 GB of memory is available" in str(e.value)
+    assert isinstance(e.value, MemoryError)
+
+
+def test_automatic_pool_holds_max_model_len_within_the_memory_available(tiny_llama, monkeypatch):
+    llm = LLM(model=str(tiny_llama), max_model_len=512)
+    eng = llm.engine
+    groups = len(eng.layer_groups)
+    assert eng.num_blocks == groups * math.ceil(512 / eng.config.block_size)
+    assert eng.max_model_len == 512
+    # Little memory left: the pool is half of it, and the context is capped to what it holds.
+    page = eng.page_bytes
+    monkeypatch.setattr(builder, "available_memory_bytes", lambda: 2 * 6 * groups * page)
+    small = LLM(loaded=eng.loaded, max_model_len=512).engine  # loaded: the refusal before loading does not apply
+    assert small.num_blocks == 6 * groups
+    assert small.max_model_len < 512
+    assert builder.auto_kv_bytes(512, page, groups, 16, available=None) == groups * 32 * page
+
