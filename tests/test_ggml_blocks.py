@@ -13,7 +13,14 @@ import torch.nn.functional as F
 from gguf.quants import dequantize as gguf_dequantize
 
 from kvserve import kernels
-from kvserve.weights.ggml import GEMV_MAX_ROWS, GGML_TYPES, INT8_TYPES, GGMLLinear, row_bytes
+from kvserve.weights.ggml import (
+    GEMV_MAX_ROWS,
+    GGML_TYPES,
+    INT8_ROW_KERNEL_MAX_ROWS,
+    INT8_TYPES,
+    GGMLLinear,
+    row_bytes,
+)
 
 T = gguf.GGMLQuantizationType
 # Byte offsets of each block's fp16 scale fields (random bytes there could be NaN or inf).
@@ -82,7 +89,7 @@ def activation_rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("t", INT8_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 5, 70])
+@pytest.mark.parametrize("rows", [1, 5, 12, 14, 70])
 def test_int8_activation_products_stay_within_the_activations_rounding(t, rows):
     k = 2 * _cols(t) if t not in (T.Q4_0, T.Q5_0, T.Q8_0) else 96  # 96: an odd count of 32-value blocks
     layer = GGMLLinear(torch.from_numpy(random_blocks(t, 40, k, seed=2)), t, k, 40)
@@ -97,9 +104,9 @@ def test_int8_activation_products_stay_within_the_activations_rounding(t, rows):
     # The vector kernel against its plain C loops: the same integer dots, the same scales.
     ref = kernels.ggml_q8_matmul(x, layer.raw, int(t), 40, reference=True)
     assert ref is not None and ((got - ref.double()).abs() <= 1e-5 * scale).all()
-    # A row's result does not depend on the rows beside it: decode rows (up to GEMV_MAX_ROWS) on
-    # the per-row kernel, more (prefill) on the GEMM.
-    fewer = x[-1:] if rows <= GEMV_MAX_ROWS else x[1:]
+    # A row's result does not depend on the rows beside it, within each kernel's range: up to
+    # INT8_ROW_KERNEL_MAX_ROWS rows on the per-row kernel, more on the GEMM.
+    fewer = x[-1:] if rows <= INT8_ROW_KERNEL_MAX_ROWS else x[1:]
     assert torch.equal(layer(fewer)[-1:], layer(x)[-1:])
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import struct
 from pathlib import Path
 
@@ -32,10 +33,9 @@ def file_tensors(path: Path) -> tuple[int, int]:
     from the headers alone."""
     if path.suffix == ".gguf":
         try:
-            reader = gguf.GGUFReader(str(path))
-        except (ValueError, OSError) as e:
+            return _gguf_tensors(path)
+        except (ValueError, OSError, struct.error, KeyError) as e:
             raise ModelLoadError(path, f"unreadable GGUF header ({e})") from None
-        return sum(int(t.n_elements) for t in reader.tensors), sum(int(t.n_bytes) for t in reader.tensors)
     elements = stored = 0
     for f in sorted(path.glob("*.safetensors")):
         for name, info in _safetensors_header(f).items():
@@ -45,6 +45,53 @@ def file_tensors(path: Path) -> tuple[int, int]:
             elements += n
             stored += n * _SAFETENSORS_BYTES.get(info["dtype"], 4)
     return elements, stored
+
+
+# GGUF metadata value types of fixed size (gguf.GGUFValueType numbers -> bytes); 8: string, 9: array
+_GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def _gguf_tensors(path: Path) -> tuple[int, int]:
+    """(elements, bytes) of a GGUF's tensors from its header, skipping the metadata without
+    building it (gguf.GGUFReader makes an object of each of a 262k vocabulary's strings: hundreds
+    of MB at its peak, for numbers this needs none of)."""
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        if m[:4] != b"GGUF":
+            raise ValueError("no GGUF magic")
+        version, n_tensors, n_kv = struct.unpack_from("<IQQ", m, 4)
+        if version < 2:
+            raise ValueError(f"GGUF version {version} (1 is not read)")
+        pos = 24
+
+        def skip_value(kind: int, pos: int) -> int:
+            if kind == 8:
+                return pos + 8 + struct.unpack_from("<Q", m, pos)[0]
+            if kind == 9:
+                elem, count = struct.unpack_from("<IQ", m, pos)
+                pos += 12
+                if elem in _GGUF_SIZES:
+                    return pos + count * _GGUF_SIZES[elem]
+                for _ in range(count):
+                    pos = skip_value(elem, pos)
+                return pos
+            return pos + _GGUF_SIZES[kind]
+
+        for _ in range(n_kv):
+            pos += 8 + struct.unpack_from("<Q", m, pos)[0]  # the key
+            (kind,) = struct.unpack_from("<I", m, pos)
+            pos = skip_value(kind, pos + 4)
+        elements = stored = 0
+        for _ in range(n_tensors):
+            pos += 8 + struct.unpack_from("<Q", m, pos)[0]  # the name
+            (n_dims,) = struct.unpack_from("<I", m, pos)
+            dims = struct.unpack_from(f"<{n_dims}Q", m, pos + 4)
+            (kind,) = struct.unpack_from("<I", m, pos + 4 + 8 * n_dims)
+            pos += 4 + 8 * n_dims + 4 + 8
+            n = math.prod(dims)
+            values, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)]
+            elements += n
+            stored += n // values * size
+        return elements, stored
 
 
 def _safetensors_header(f: Path) -> dict:

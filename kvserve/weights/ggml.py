@@ -8,7 +8,8 @@ value), so a layer computes with the same weights as the fp32 model the file deq
 
 - activations "int8" (the default; llama.cpp's arithmetic), for Q4_0, Q5_0, Q8_0, Q4_K, Q5_K and
   Q6_K: each activation row is quantized to int8 per 32 values and the blocks' integer codes meet
-  it in integer dot products (kernels/ggml_int8.c), decode rows and prefill alike. Against the
+  it in integer dot products (kernels/ggml_int8.c): up to `INT8_ROW_KERNEL_MAX_ROWS` rows one
+  row at a time, more (decode batches, prefill) as a GEMM over 16 weight rows at once. Against the
   float model's products the error is that of the activations' rounding: about 2e-3 of
   sum |x| |w| (tests/test_ggml_blocks.py bounds it);
 - activations "float" (and the other types): the float model's products. Up to
@@ -36,6 +37,7 @@ T = gguf.GGMLQuantizationType
 GGML_TYPES = (T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
 INT8_TYPES = (T.Q4_0, T.Q5_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)  # the int8-activation kernel's
 ACTIVATIONS = ("int8", "float")
+INT8_ROW_KERNEL_MAX_ROWS = 12  # int8 activations: up to this many rows per-row kernel, more the GEMM (ggml_int8.c)
 GEMV_MAX_ROWS = 64  # rows of activations the block kernel takes in one call
 DEQUANT_ROWS = 4096  # weight rows dequantized at once on the prefill path
 
