@@ -24,11 +24,15 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
+# The bundled GGUF on its own Q4_K_M blocks (--weights gguf): faster than fp32 in a fifth of the
+# memory (docs/BENCHMARKS.md); WEIGHTS=float runs the fp32 reference.
+WEIGHTS ?= gguf
+
 serve: venv
-	$(VENV)/bin/kvserve serve --host $(HOST) --port $(PORT)
+	$(VENV)/bin/kvserve serve --host $(HOST) --port $(PORT) --weights $(WEIGHTS)
 
 run: venv
-	$(VENV)/bin/kvserve generate "$(PROMPT)" --max-tokens $(MAX_TOKENS)
+	$(VENV)/bin/kvserve generate "$(PROMPT)" --max-tokens $(MAX_TOKENS) --weights $(WEIGHTS)
 
 # System packages the tests need: Debian's Chromium for the playground test (Playwright drives
 # /usr/bin/chromium; `playwright install` would download a browser of its own).

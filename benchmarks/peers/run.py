@@ -131,7 +131,9 @@ def build_spec(args: argparse.Namespace) -> dict:
     from kvserve.tools.bench.throughput import make_workload
 
     model_path = Path(args.model) if args.model else default_model_path()
-    loaded = load_model(str(model_path))
+    # Config and tokenizer only: a GGUF's blocks are memory-mapped, never dequantized (an 8B file in
+    # fp32 would not fit beside the engines).
+    loaded = load_model(str(model_path), gguf_blocks=model_path.suffix == ".gguf")
     cfg, tok = loaded.config, loaded.tokenizer
     decode_prompt = tok.encode(DECODE_TEXT)
     del loaded
