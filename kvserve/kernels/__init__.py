@@ -258,19 +258,25 @@ def norm_rope_write(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | N
     return out
 
 
-def ggml_gemv(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, n: int) -> torch.Tensor | None:
-    """y [M, N] fp32 = x [M, K] fp32 @ W^T for W held as GGUF blocks (`raw` uint8 [N, row bytes],
-    kvserve/weights/ggml.py), M <= 64; None when the kernel is unavailable or does not take
-    this type."""
-    lib = kernel_lib("ggml_blocks")
+def _ggml_matmul(source: str, fn: str, x: torch.Tensor, raw: torch.Tensor, ggml_type: int, n: int,
+                 *tail: int) -> torch.Tensor | None:
+    """y [M, N] fp32 = x [M, K] fp32 @ W^T through `source`'s `fn` (x, w, type, y, M, N, K, row
+    bytes, *tail); None when the kernel is unavailable or refuses (rc != 0)."""
+    lib = kernel_lib(source)
     if lib is None or not _f32_cpu(x) or not raw.is_contiguous():
         return None
     x = x.contiguous()
     m, k = x.shape
     y = torch.empty(m, n, dtype=torch.float32)
-    rc = lib.ggml_gemv(x.data_ptr(), raw.data_ptr(), ggml_type, y.data_ptr(), m, n, k, raw.shape[1],
-                       torch.get_num_threads())
+    rc = getattr(lib, fn)(x.data_ptr(), raw.data_ptr(), ggml_type, y.data_ptr(), m, n, k, raw.shape[1], *tail)
     return y if rc == 0 else None
+
+
+def ggml_gemv(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, n: int) -> torch.Tensor | None:
+    """y [M, N] fp32 = x [M, K] fp32 @ W^T for W held as GGUF blocks (`raw` uint8 [N, row bytes],
+    kvserve/weights/ggml.py), M <= 64; None when the kernel is unavailable or does not take
+    this type."""
+    return _ggml_matmul("ggml_blocks", "ggml_gemv", x, raw, ggml_type, n, torch.get_num_threads())
 
 
 def ggml_q8_matmul(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, n: int, reference: bool = False
@@ -278,18 +284,9 @@ def ggml_q8_matmul(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, n: int, r
     """y [M, N] fp32 = x [M, K] fp32 @ W^T for W held as GGUF blocks, x quantized to int8 per 32
     values (kvserve/kernels/ggml_int8.c; any M); None when the kernel is unavailable or has no
     int8 path for this type. `reference`: the plain C loops, whatever this CPU has."""
-    lib = kernel_lib("ggml_int8")
-    if lib is None or not _f32_cpu(x) or not raw.is_contiguous():
-        return None
-    x = x.contiguous()
-    m, k = x.shape
-    y = torch.empty(m, n, dtype=torch.float32)
     if reference:
-        rc = lib.ggml_q8_matmul_reference(x.data_ptr(), raw.data_ptr(), ggml_type, y.data_ptr(), m, n, k, raw.shape[1])
-    else:
-        rc = lib.ggml_q8_matmul(x.data_ptr(), raw.data_ptr(), ggml_type, y.data_ptr(), m, n, k, raw.shape[1],
-                                torch.get_num_threads())
-    return y if rc == 0 else None
+        return _ggml_matmul("ggml_int8", "ggml_q8_matmul_reference", x, raw, ggml_type, n)
+    return _ggml_matmul("ggml_int8", "ggml_q8_matmul", x, raw, ggml_type, n, torch.get_num_threads())
 
 
 def ggml_dequant(raw: torch.Tensor, ggml_type: int, k: int, rows: torch.Tensor) -> torch.Tensor | None:
