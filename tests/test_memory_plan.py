@@ -51,10 +51,17 @@ def test_gguf_blocks_footprint_is_the_files_tensor_bytes(gemma_path):
 def test_unreadable_headers_name_the_file(tmp_path):
     from kvserve.loading.errors import ModelLoadError
 
+    import struct
+
     bad = tmp_path / "bad.gguf"
-    bad.write_bytes(b"GGUF" + bytes(8))
-    with pytest.raises(ModelLoadError, match="bad.gguf.*unreadable GGUF header"):
-        file_tensors(bad)
+    for header in (b"GGUF" + bytes(8),  # cut short
+                   struct.pack("<4sIQQ", b"GGUF", 3, 1, 0) + struct.pack("<Q", 1) + b"w" + struct.pack("<I", 10**9),
+                   # metadata: an array of arrays nested deeper than any reader recurses
+                   struct.pack("<4sIQQ", b"GGUF", 3, 0, 1) + struct.pack("<Q", 1) + b"k" + struct.pack("<I", 9)
+                   + struct.pack("<IQ", 9, 1) * 5000):
+        bad.write_bytes(header)
+        with pytest.raises(ModelLoadError, match="bad.gguf.*unreadable GGUF header"):
+            file_tensors(bad)
 
 
 def test_a_model_that_will_not_fit_is_refused_before_loading(tiny_llama, monkeypatch):

@@ -50,10 +50,8 @@ class _Layer(ctypes.Structure):
 class _Step(ctypes.Structure):
     _fields_ = [("panel_gemm", _P), ("int8_gemv", _P), ("int4_gemv", _P), ("rms_norm", _P), ("add_rms_norm", _P),
                 ("norm_rope_write", _P), ("paged_decode", _P), ("gelu_mul", _P), ("ggml_gemv", _P), ("ggml_q8", _P),
-                ("H", _I),
-                ("KVH", _I), ("D", _I),
-                ("hidden", _I), ("inter", _I), ("block_size", _I), ("threads", _I), ("eps", _F), ("qk_eps", _F),
-                ("scale", _F)]
+                ("H", _I), ("KVH", _I), ("D", _I), ("hidden", _I), ("inter", _I), ("block_size", _I), ("threads", _I),
+                ("eps", _F), ("qk_eps", _F), ("scale", _F)]
 
 
 _FUNCTIONS = {"panel_gemm": ("panel_gemm", "panel_gemm"), "int8_gemv": ("lowbit_gemv", "int8_gemv"),

@@ -189,15 +189,16 @@ def layer_groups(cfg: EngineConfig, mc: ModelConfig, policies: list[StreamPolicy
 def auto_kv_bytes(max_len: int, page_bytes: int, num_groups: int, block_size: int, available: int | None) -> int:
     """The automatic pool: max_len tokens in every layer group (sliding groups release blocks,
     so this holds more than one full-length sequence), at most AUTO_KV_SHARE of the memory
-    available now (the weights are in); where that cannot be read, of a tenth of physical memory
-    capped at 4 GiB."""
+    available now (the weights are in); where that cannot be read, at most a tenth of physical
+    memory and 4 GiB."""
     want = num_groups * math.ceil(max_len / block_size) * page_bytes
-    if available is None:
-        try:
-            available = min(4 << 30, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 10) / AUTO_KV_SHARE
-        except (ValueError, OSError, AttributeError):
-            available = (2 << 30) / AUTO_KV_SHARE
-    return int(min(want, AUTO_KV_SHARE * available))
+    if available is not None:
+        return int(min(want, AUTO_KV_SHARE * available))
+    try:
+        cap = min(4 << 30, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 10)
+    except (ValueError, OSError, AttributeError):
+        cap = 2 << 30
+    return min(want, cap)
 
 
 def kv_pool(cfg: CacheConfig, device: str, mc: ModelConfig, groups: list[LayerGroup], kv_dtype: torch.dtype,

@@ -26,34 +26,6 @@ static float bf16(const uint8_t *p) {
     return f;
 }
 
-/* Values per block and bytes per block of each type; 0: not a type this file reads. */
-static int block_values(int t) {
-    switch (t) {
-    case T_F32: case T_F16: case T_BF16: return 1;
-    case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_Q8_0: return 32;
-    case T_Q2_K: case T_Q3_K: case T_Q4_K: case T_Q5_K: case T_Q6_K: return 256;
-    default: return 0;
-    }
-}
-
-static int block_bytes(int t) {
-    switch (t) {
-    case T_F32: return 4;
-    case T_F16: case T_BF16: return 2;
-    case T_Q4_0: return 18;
-    case T_Q4_1: return 20;
-    case T_Q5_0: return 22;
-    case T_Q5_1: return 24;
-    case T_Q8_0: return 34;
-    case T_Q2_K: return 84;
-    case T_Q3_K: return 110;
-    case T_Q4_K: return 144;
-    case T_Q5_K: return 176;
-    case T_Q6_K: return 210;
-    default: return 0;
-    }
-}
-
 /* ---------------------------------------------------------------- one block -> fp32 */
 
 static void deq_q4_0(const uint8_t *b, float *y) {
@@ -151,16 +123,6 @@ static void deq_q3_k(const uint8_t *b, float *y) {
             m <<= 1;
         }
         q += 32;
-    }
-}
-
-static void scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint8_t *m) {
-    if (j < 4) {
-        *d = q[j] & 63;
-        *m = q[j + 4] & 63;
-    } else {
-        *d = (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4);
-        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
     }
 }
 

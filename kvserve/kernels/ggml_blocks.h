@@ -1,5 +1,6 @@
 /* What kvserve/kernels/ggml_blocks.c (GGUF's blocks to fp32) and ggml_int8.c (the blocks against
- * int8 activations) share: ggml's type numbers and the exact fp16 scale conversion. */
+ * int8 activations) share: ggml's type numbers, the exact fp16 scale conversion, the block
+ * sizes and the K-quants' packed scales. */
 #ifndef KVSERVE_GGML_BLOCKS_H
 #define KVSERVE_GGML_BLOCKS_H
 #include <stddef.h>
@@ -37,6 +38,45 @@ static inline float f16(const uint8_t *p) { /* IEEE half (little end first) -> f
     float f;
     memcpy(&f, &bits, 4);
     return f;
+}
+
+/* Values per block and bytes per block of each type; 0: not a type these files read. */
+static inline int block_values(int t) {
+    switch (t) {
+    case T_F32: case T_F16: case T_BF16: return 1;
+    case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_Q8_0: return 32;
+    case T_Q2_K: case T_Q3_K: case T_Q4_K: case T_Q5_K: case T_Q6_K: return 256;
+    default: return 0;
+    }
+}
+
+static inline int block_bytes(int t) {
+    switch (t) {
+    case T_F32: return 4;
+    case T_F16: case T_BF16: return 2;
+    case T_Q4_0: return 18;
+    case T_Q4_1: return 20;
+    case T_Q5_0: return 22;
+    case T_Q5_1: return 24;
+    case T_Q8_0: return 34;
+    case T_Q2_K: return 84;
+    case T_Q3_K: return 110;
+    case T_Q4_K: return 144;
+    case T_Q5_K: return 176;
+    case T_Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+/* Sub-block j's 6-bit scale and min from a Q4_K / Q5_K block's 12 packed bytes q. */
+static inline void scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint8_t *m) {
+    if (j < 4) {
+        *d = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *d = (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
 }
 
 #endif

@@ -45,19 +45,6 @@ static int supported(int t) {
     return t == T_Q4_0 || t == T_Q5_0 || t == T_Q8_0 || t == T_Q4_K || t == T_Q5_K || t == T_Q6_K;
 }
 
-static int qk_of(int t) { return t == T_Q4_K || t == T_Q5_K || t == T_Q6_K ? 256 : 32; }
-
-static int bytes_of(int t) {
-    switch (t) {
-    case T_Q4_0: return 18;
-    case T_Q5_0: return 22;
-    case T_Q8_0: return 34;
-    case T_Q4_K: return 144;
-    case T_Q5_K: return 176;
-    default: return 210; /* Q6_K */
-    }
-}
-
 /* ---------------------------------------------------------------- activations */
 
 static void quantize_row(const float *x, int K, int8_t *q, float *d32, float *d16, float *s16, float *s32) {
@@ -80,6 +67,13 @@ static void quantize_row(const float *x, int K, int8_t *q, float *d32, float *d1
     }
 }
 
+/* Row x [K] quantized into `codes` [K] and `f` [3 K / 16] floats (d32, s32, d16, s16 in turn). */
+static XRow quantize_into(int8_t *codes, float *f, const float *x, int K) {
+    float *d32 = f, *s32 = f + K / 32, *d16 = f + K / 16, *s16 = f + K / 8;
+    quantize_row(x, K, codes, d32, d16, s16, s32);
+    return (XRow){codes, d32, d16, s16, s32};
+}
+
 /* ---------------------------------------------------------------- plain C: any CPU */
 
 /* Per 16 values of a block: the weight scale ws and the offset scale wo. */
@@ -95,8 +89,8 @@ static void block_scales(int t, const uint8_t *b, float *ws, float *wo) {
         const float d = f16(b), dmin = f16(b + 2);
         const uint8_t *sc = b + 4;
         for (int j = 0; j < 8; j++) { /* the 32-value sub-blocks' 6-bit scales and mins */
-            const int s = j < 4 ? sc[j] & 63 : (sc[j + 4] & 0x0f) | ((sc[j - 4] >> 6) << 4);
-            const int m = j < 4 ? sc[j + 4] & 63 : (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+            uint8_t s, m;
+            scale_min_k4(j, sc, &s, &m);
             ws[2 * j] = ws[2 * j + 1] = d * (float)s;
             wo[2 * j] = wo[2 * j + 1] = dmin * (float)m;
         }
@@ -153,7 +147,7 @@ static void block_codes(int t, const uint8_t *b, uint8_t *u) {
 }
 
 static float dot_row_c(int t, const uint8_t *row, const XRow *x, int K) {
-    const int qk = qk_of(t), bb = bytes_of(t);
+    const int qk = block_values(t), bb = block_bytes(t);
     uint8_t u[256];
     float ws[16], wo[16], acc = 0.f, off = 0.f;
     for (int i = 0; i < K / qk; i++) {
@@ -230,7 +224,7 @@ static inline __m256i codes1(int t, const uint8_t *b) {
 /* Rows r < R of y[r] = x_r . row for the 32-value types; R is a constant where inlined. */
 static inline __attribute__((always_inline)) void rows_b32(int t, const uint8_t *row, const XRow *x, const int R,
                                                            int K, float *y) {
-    const int bb = bytes_of(t), nb = K / 32;
+    const int bb = block_bytes(t), nb = K / 32;
     const float offset = t == T_Q8_0 ? 128.f : t == T_Q5_0 ? 16.f : 8.f;
     __m512 acc[TILE];
     __m128 off[TILE];
@@ -313,7 +307,7 @@ static inline __attribute__((always_inline)) void q6k_codes(const uint8_t *b, __
 /* Q4_K / Q5_K: 4 chunks of 64 values, sub-blocks 2c (bytes 0-31) and 2c + 1 (bytes 32-63). */
 static inline __attribute__((always_inline)) void rows_k45(int t, const uint8_t *row, const XRow *x, const int R,
                                                            int K, float *y) {
-    const int bb = bytes_of(t);
+    const int bb = block_bytes(t);
     __m512 acc[TILE];
     __m256 mins[TILE];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), mins[r] = _mm256_setzero_ps();
@@ -403,7 +397,7 @@ static int group_of(int t) { return t == T_Q6_K ? 16 : 32; }
 
 /* A row's codes in value order into u [K] (the per-row kernels' unpacking, stored). */
 static void row_codes(int t, const uint8_t *row, int K, uint8_t *u) {
-    const int bb = bytes_of(t);
+    const int bb = block_bytes(t);
     if (t == T_Q4_K || t == T_Q5_K || t == T_Q6_K) {
         for (int i = 0; i < K / 256; i++) {
             __m512i v[4];
@@ -423,7 +417,7 @@ static void row_codes(int t, const uint8_t *row, int K, uint8_t *u) {
  * `packed`, and per group the 16 rows' weight and offset scales, ws / wo [K / G][16]. */
 static void pack_tile(int t, const uint8_t *w, int64_t row_bytes, int n0, int nr, int K, uint8_t *rows,
                       uint8_t *packed, float *ws, float *wo) {
-    const int qk = qk_of(t), G = group_of(t), per16 = G / 16, bb = bytes_of(t);
+    const int qk = block_values(t), G = group_of(t), per16 = G / 16, bb = block_bytes(t);
     float s16[16], o16[16];
     for (int r = 0; r < NT; r++) {
         const uint8_t *row = w + (size_t)(n0 + r) * row_bytes;
@@ -534,8 +528,8 @@ static void dot_rows(int t, const uint8_t *row, const XRow *x, int R, int K, flo
 /* Returns 0, or -1 for a type without an int8 path, a K that is not whole blocks, or no memory. */
 int ggml_q8_matmul(const float *x, const uint8_t *w, int t, float *y, int M, int N, int K, int64_t row_bytes,
                    int threads) {
-    if (!supported(t) || K % qk_of(t) || M < 1 || (int64_t)(K / qk_of(t)) * bytes_of(t) != row_bytes) return -1;
-    const size_t per_row = (size_t)K + sizeof(float) * ((size_t)K / 32 * 2 + (size_t)K / 16 * 2);
+    if (!supported(t) || K % block_values(t) || M < 1 || (int64_t)(K / block_values(t)) * block_bytes(t) != row_bytes) return -1;
+    const size_t per_row = (size_t)K + sizeof(float) * (3 * (size_t)K / 16);
     uint8_t *buf = malloc(per_row * (size_t)M);
     XRow *xr = malloc(sizeof(XRow) * (size_t)M);
     if (!buf || !xr) {
@@ -545,11 +539,8 @@ int ggml_q8_matmul(const float *x, const uint8_t *w, int t, float *y, int M, int
     }
 #pragma omp parallel for num_threads(threads) schedule(static) if (M > 1)
     for (int m = 0; m < M; m++) {
-        float *f = (float *)(buf + (size_t)M * K) + (size_t)m * (K / 32 * 2 + K / 16 * 2);
-        int8_t *q = (int8_t *)buf + (size_t)m * K;
-        float *d32 = f, *s32 = f + K / 32, *d16 = f + K / 16, *s16 = f + K / 8;
-        quantize_row(x + (size_t)m * K, K, q, d32, d16, s16, s32);
-        xr[m] = (XRow){q, d32, d16, s16, s32};
+        xr[m] = quantize_into((int8_t *)buf + (size_t)m * K, (float *)(buf + (size_t)M * K) + (size_t)m * (3 * K / 16),
+                              x + (size_t)m * K, K);
     }
 #ifdef Q8_VNNI
     if (M > ROW_KERNEL_MAX_ROWS) {
@@ -580,18 +571,16 @@ int ggml_q8_matmul(const float *x, const uint8_t *w, int t, float *y, int M, int
 /* The plain C path whatever this build has (the tests compare it with the vector path). */
 int ggml_q8_matmul_reference(const float *x, const uint8_t *w, int t, float *y, int M, int N, int K,
                              int64_t row_bytes) {
-    if (!supported(t) || K % qk_of(t) || M < 1 || (int64_t)(K / qk_of(t)) * bytes_of(t) != row_bytes) return -1;
+    if (!supported(t) || K % block_values(t) || M < 1 || (int64_t)(K / block_values(t)) * block_bytes(t) != row_bytes) return -1;
     int8_t *q = malloc((size_t)K);
-    float *f = malloc(sizeof(float) * ((size_t)K / 32 * 2 + (size_t)K / 16 * 2));
+    float *f = malloc(sizeof(float) * (3 * (size_t)K / 16));
     if (!q || !f) {
         free(q);
         free(f);
         return -1;
     }
-    float *d32 = f, *s32 = f + K / 32, *d16 = f + K / 16, *s16 = f + K / 8;
     for (int m = 0; m < M; m++) {
-        quantize_row(x + (size_t)m * K, K, q, d32, d16, s16, s32);
-        const XRow xr = {q, d32, d16, s16, s32};
+        const XRow xr = quantize_into(q, f, x + (size_t)m * K, K);
         for (int n = 0; n < N; n++) y[(size_t)m * N + n] = dot_row_c(t, w + (size_t)n * row_bytes, &xr, K);
     }
     free(q);

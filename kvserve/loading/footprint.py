@@ -34,7 +34,7 @@ def file_tensors(path: Path) -> tuple[int, int]:
     if path.suffix == ".gguf":
         try:
             return _gguf_tensors(path)
-        except (ValueError, OSError, struct.error, KeyError) as e:
+        except (ValueError, OSError, struct.error, KeyError, RecursionError) as e:  # a corrupt or hostile header
             raise ModelLoadError(path, f"unreadable GGUF header ({e})") from None
     elements = stored = 0
     for f in sorted(path.glob("*.safetensors")):
@@ -84,6 +84,8 @@ def _gguf_tensors(path: Path) -> tuple[int, int]:
         for _ in range(n_tensors):
             pos += 8 + struct.unpack_from("<Q", m, pos)[0]  # the name
             (n_dims,) = struct.unpack_from("<I", m, pos)
+            if n_dims > 4:  # ggml's GGML_MAX_DIMS
+                raise ValueError(f"a tensor of {n_dims} dimensions")
             dims = struct.unpack_from(f"<{n_dims}Q", m, pos + 4)
             (kind,) = struct.unpack_from("<I", m, pos + 4 + 8 * n_dims)
             pos += 4 + 8 * n_dims + 4 + 8
