@@ -1,7 +1,7 @@
 """The batch-1 decode step's layers in one C call (kvserve/accel/decode_plan.py,
 kvserve/kernels/decode_step.c) compute bitwise what the Python path computes: same tokens and
 same log-probabilities, on fp32 panels, on the int8 / int4 kernels and on GGUF blocks, with sliding-window
-layers, and after the weights change under it."""
+layers, for Gemma 3 and the Llama family, and after the weights change under it."""
 from __future__ import annotations
 
 import pytest
@@ -97,13 +97,48 @@ def test_plan_follows_sliding_windows_and_rebuilds_after_changes(tiny_gemma3, mo
     assert _generate(llm, prompt) == changed != got
 
 
+@pytest.mark.parametrize("kind, weights", [("llama", "float"), ("llama", "int8"), ("qwen3", "float"),
+                                           ("mistral", "int4")])
+def test_plan_equals_the_python_path_on_llama_family(tmp_path, monkeypatch, kind, weights):
+    """Pre-norm layers with SwiGLU (no post norms), llama3 RoPE scaling, Qwen3's q/k norms,
+    Mistral's sliding window."""
+    from kvserve.loading import load_model
+    from tests.tiny_models import make_model
+
+    make_model(kind, tmp_path / kind, intermediate_size=256)  # int4's kernel: rows a multiple of its tile
+    spy = _Spy(monkeypatch)
+    llm = LLM(loaded=load_model(tmp_path / kind), weights=weights, kv_cache_gib=0.01, block_size=4, max_num_seqs=1,
+              enable_prefix_caching=False)
+    prompt = [2] + [(5 * j) % 300 + 3 for j in range(20)]  # past Mistral's window of 12
+    got = _generate(llm, prompt)
+    assert spy.runs == PARAMS.max_tokens - 1
+    spy.off = True
+    assert _generate(llm, prompt) == got
+
+
+def test_plan_equals_the_python_path_on_llama_gguf_blocks(tmp_path, monkeypatch):
+    from tests.test_gguf_llama import _tiny_llama, write_llama_gguf
+    from tests.tiny_models import write_tokenizer
+
+    write_tokenizer(tmp_path)
+    path = tmp_path / "tiny-llama-q8_0.gguf"
+    write_llama_gguf(_tiny_llama(), tmp_path / "tokenizer.json", path, "Q8_0", "default")
+    spy = _Spy(monkeypatch)
+    llm = LLM(model=str(path), weights="gguf", kv_cache_gib=0.01, max_num_seqs=1, enable_prefix_caching=False)
+    prompt = [2] + [(3 * j) % 300 + 3 for j in range(12)]
+    got = _generate(llm, prompt)
+    assert spy.runs == PARAMS.max_tokens - 1
+    spy.off = True
+    assert _generate(llm, prompt) == got
+
+
 def test_models_the_loop_does_not_run_take_the_python_path(tiny_gemma3, tmp_path):
     from kvserve.loading import load_model
     from tests.tiny_models import make_model
 
-    make_model("llama", tmp_path / "llama")
-    llama = LLM(loaded=load_model(tmp_path / "llama"), kv_cache_gib=0.01, max_num_seqs=1)
-    assert plan_for(llama.engine.loaded.model, llama.engine.runner.kv_cache) is None
+    make_model("qwen2", tmp_path / "qwen2")  # q/k/v biases
+    qwen2 = LLM(loaded=load_model(tmp_path / "qwen2"), kv_cache_gib=0.01, max_num_seqs=1)
+    assert plan_for(qwen2.engine.loaded.model, qwen2.engine.runner.kv_cache) is None
     int8_pool = LLM(loaded=tiny_gemma3, kv_cache_gib=0.01, kv_cache_dtype="int8", max_num_seqs=1)
     assert plan_for(int8_pool.engine.loaded.model, int8_pool.engine.runner.kv_cache) is None
     # A model nobody packed: its projections are plain nn.Linear.

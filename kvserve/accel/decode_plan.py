@@ -1,12 +1,13 @@
 """A batch-1 decode step's layer stack as one C call (kvserve/kernels/decode_step.c).
 
-At one token per step each Gemma 3 layer costs ~0.6-0.8 ms of Python and torch dispatch around
+At one token per step each decoder layer costs ~0.6-0.8 ms of Python and torch dispatch around
 ~10 kernel calls, about as much as streaming its weights. `DecodePlan` describes every layer once
 (pointers to the packed fp32 panels or the int8 / int4 weights, the norm gains, the KV pages) and
 hands the C loop the same kernels the Python path calls, in the same order: the hidden state it
 returns is bitwise the Python path's (tests/test_decode_plan.py).
 
-It applies to steps of one decode row through Gemma 3 layers that run on the C kernels (fp32
+It applies to steps of one decode row through Gemma 3 or Llama-family layers (Llama, Mistral,
+Qwen3; without biases) that run on the C kernels (fp32
 activations on the CPU, an unquantized KV pool, every projection packed or on kvserve's int
 kernels), no custom attention hook, no early exit; anything else runs the Python path. The plan
 remembers each tensor it points at (and its in-place version) and is rebuilt when one changes.
@@ -23,6 +24,7 @@ from kvserve import kernels
 from kvserve.accel.panels import PanelLinear
 from kvserve.model.attention import AttentionMetadata, KVCache
 from kvserve.model.gemma3 import Gemma3DecoderLayer
+from kvserve.model.llama import LlamaDecoderLayer
 from kvserve.weights.ggml import GGMLLinear
 from kvserve.weights.linear import QuantLinear
 from kvserve.weights.packing import cpu_int4_block_n
@@ -49,7 +51,7 @@ class _Layer(ctypes.Structure):
 
 class _Step(ctypes.Structure):
     _fields_ = [("panel_gemm", _P), ("int8_gemv", _P), ("int4_gemv", _P), ("rms_norm", _P), ("add_rms_norm", _P),
-                ("norm_rope_write", _P), ("paged_decode", _P), ("gelu_mul", _P), ("ggml_gemv", _P), ("ggml_q8", _P),
+                ("norm_rope_write", _P), ("paged_decode", _P), ("gated_act", _P), ("ggml_gemv", _P), ("ggml_q8", _P),
                 ("H", _I), ("KVH", _I), ("D", _I), ("hidden", _I), ("inter", _I), ("block_size", _I), ("threads", _I),
                 ("eps", _F), ("qk_eps", _F), ("scale", _F)]
 
@@ -57,7 +59,7 @@ class _Step(ctypes.Structure):
 _FUNCTIONS = {"panel_gemm": ("panel_gemm", "panel_gemm"), "int8_gemv": ("lowbit_gemv", "int8_gemv"),
               "int4_gemv": ("lowbit_gemv", "int4_gemv"), "rms_norm": ("rms_norm", "rms_norm"),
               "add_rms_norm": ("rms_norm", "add_rms_norm"), "norm_rope_write": ("rope_cache", "norm_rope_write"),
-              "paged_decode": ("paged_attention", "paged_decode"), "gelu_mul": ("gelu", "gelu_tanh_mul"),
+              "paged_decode": ("paged_attention", "paged_decode"),
               "ggml_gemv": ("ggml_blocks", "ggml_gemv"), "ggml_q8": ("ggml_int8", "ggml_q8_matmul")}
 
 
@@ -95,9 +97,9 @@ def _linear(module: nn.Module | None, panels, keep: list) -> _Lin:
 
 
 def _parts(fused: nn.Module | None, panels, separate: tuple, keep: list, out) -> int:
-    """Fill `out` (a _Lin array) with a fused projection (one matrix or packed panels) or, for
-    GGUF blocks, the separate projections reading the same input; returns how many."""
-    if fused is not None or panels is not None or not all(isinstance(m, GGMLLinear) for m in separate):
+    """Fill `out` (a _Lin array) with a fused projection (one matrix or packed panels) or the
+    separate projections reading the same input (GGUF blocks, layers left unfused); returns how many."""
+    if fused is not None or panels is not None:
         out[0] = _linear(fused, panels if fused is None else None, keep)
         return 1
     for j, m in enumerate(separate):
@@ -110,16 +112,33 @@ def _single_panels(module) -> object | None:
     return module.panels if type(module) is PanelLinear and module.bias is None else None
 
 
+def _norms(layer: nn.Module) -> tuple:
+    """(input, post-attention, pre-feedforward, post-feedforward, q, k) norms of a decoder layer,
+    None where the family has none (Llama: no post norms; its post_attention_layernorm is the
+    MLP's pre-norm; q/k norms in Qwen3 only)."""
+    att = layer.self_attn
+    if type(layer) is Gemma3DecoderLayer:
+        return (layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
+                layer.post_feedforward_layernorm, att.q_norm, att.k_norm)
+    return layer.input_layernorm, None, layer.post_attention_layernorm, None, att.q_norm, att.k_norm
+
+
 class DecodePlan:
-    """The C description of a Gemma 3 model's layers for batch-1 decode steps (see module doc)."""
+    """The C description of a model's layers for batch-1 decode steps (see module doc)."""
 
     def __init__(self, model: nn.Module, kv_cache: KVCache):
         cfg = model.config
-        if not all(type(layer) is Gemma3DecoderLayer for layer in model.layers):
-            raise _Unsupported("not Gemma 3 layers")
+        kinds = {type(layer) for layer in model.layers}
+        if len(kinds) != 1 or kinds.pop() not in (Gemma3DecoderLayer, LlamaDecoderLayer):
+            raise _Unsupported("not all Gemma 3 or all Llama layers")
         if kv_cache.quantized or kv_cache.dtype != torch.float32 or cfg.kv_source is not None:
             raise _Unsupported("quantized, non-fp32 or shared KV")
-        addresses = {f: kernels.kernel_address(src, name) for f, (src, name) in _FUNCTIONS.items()}
+        acts = {"gelu_tanh_mul" if layer.mlp.gelu_tanh else "silu_mul" if layer.mlp.silu else None
+                for layer in model.layers}
+        if len(acts) != 1 or None in acts:
+            raise _Unsupported("MLP activations other than one of gelu_tanh, silu")
+        functions = {**_FUNCTIONS, "gated_act": ("gelu", acts.pop())}
+        addresses = {f: kernels.kernel_address(src, name) for f, (src, name) in functions.items()}
         if None in addresses.values() or kernels.kernel_lib("decode_step") is None:
             raise _Unsupported("C kernels unavailable")
         # (owner, attribute, tensor) to re-check; never the model or the KVCache object themselves,
@@ -130,24 +149,25 @@ class DecodePlan:
         norm_eps = set()
         for i, layer in enumerate(model.layers):
             att, mlp = layer.self_attn, layer.mlp
-            if not (att.computes_kv and mlp.gelu_tanh and att.q_norm is not None and att.k_norm is not None):
-                raise _Unsupported("layer without its own K/V, q/k norms or gelu_tanh")
+            norms = _norms(layer)
+            if not att.computes_kv or (norms[4] is None) != (norms[5] is None):
+                raise _Unsupported("layer without its own K/V, or with only one of the q/k norms")
             ly = layers[i]
             ly.n_qkv = _parts(att.qkv_proj, att.qkv_panels, (att.q_proj, att.k_proj, att.v_proj), self._keep, ly.qkv)
             ly.o = _linear(att.o_proj, _single_panels(att.o_proj), self._keep)
             ly.n_gate_up = _parts(mlp.gate_up_proj, mlp.gate_up_panels, (mlp.gate_proj, mlp.up_proj), self._keep,
                                   ly.gate_up)
             ly.down = _linear(mlp.down_proj, _single_panels(mlp.down_proj), self._keep)
-            norms = (layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
-                     layer.post_feedforward_layernorm, att.q_norm, att.k_norm)
-            gains = [n.kernel_gain() for n in norms]
-            if any(g is None for g in gains):
+            present = [n for n in norms if n is not None]
+            gains = {id(n): n.kernel_gain() for n in present}
+            if any(g is None for g in gains.values()):
                 raise _Unsupported("norm gains not fp32 on the CPU")
-            norm_eps |= {n.eps for n in norms[:4]}
-            if att.q_norm.eps != att.k_norm.eps:
+            norm_eps |= {n.eps for n in norms[:4] if n is not None}
+            if att.q_norm is not None and att.q_norm.eps != att.k_norm.eps:
                 raise _Unsupported("q and k norms with different eps")
-            self._keep += [(n, "weight", n.weight) for n in norms] + [(None, None, g) for g in gains]
-            ly.g_in, ly.g_post_attn, ly.g_pre_ff, ly.g_post_ff, ly.g_q, ly.g_k = (g.data_ptr() for g in gains)
+            self._keep += [(n, "weight", n.weight) for n in present] + [(None, None, g) for g in gains.values()]
+            ly.g_in, ly.g_post_attn, ly.g_pre_ff, ly.g_post_ff, ly.g_q, ly.g_k = (
+                None if n is None else gains[id(n)].data_ptr() for n in norms)
             k_pool, v_pool, group = kv_cache.layer(i)
             self._keep += [(None, None, k_pool), (None, None, v_pool)]
             ly.k_pool, ly.v_pool = k_pool.data_ptr(), v_pool.data_ptr()
@@ -162,7 +182,8 @@ class DecodePlan:
         self._ctxs = (_Ctx * len(self._ctx_keys))()
         self._step = _Step(**addresses, H=cfg.num_heads, KVH=cfg.num_kv_heads, D=cfg.head_dim,
                            hidden=cfg.hidden_size, inter=cfg.intermediate_size, block_size=0, threads=1,
-                           eps=norm_eps.pop(), qk_eps=first.q_norm.eps, scale=first.scale)
+                           eps=norm_eps.pop(), qk_eps=first.q_norm.eps if first.q_norm is not None else 0.0,
+                           scale=first.scale)
         self._versions = [_version(t) for _, _, t in self._keep]
         self._fn = kernels.kernel_lib("decode_step").decode_layers
 

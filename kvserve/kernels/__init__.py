@@ -132,7 +132,8 @@ _SIGNATURES: dict[str, dict[str, tuple[list, object]]] = {
     "rope_cache": {"norm_rope_write": ([_P, _L, _P, _L, _P, _L, _I, _I, _I, _I, _P, _P, _F, _P, _P, _P, _P, _P, _P,
                                         _I], None)},  # a decode step's attention prologue
     "argmax": {"argmax_rows": ([_P, _P, _I, ctypes.c_int64, _I], None)},  # greedy picks
-    "gelu": {"gelu_tanh_mul": ([_P, _P, _P, _I, _I, _L, _I], None)},  # Gemma's MLP activation
+    "gelu": {"gelu_tanh_mul": ([_P, _P, _P, _I, _I, _L, _I], None),  # Gemma's MLP activation
+             "silu_mul": ([_P, _P, _P, _I, _I, _L, _I], None)},  # Llama's
     "decode_step": {"decode_layers": ([_P, _P, _P, _I, _P], ctypes.c_int)},  # accel/decode_plan.py
     "panel_gemm": {"panel_width": ([], ctypes.c_int),  # fp32 decode-step matmuls on packed weights
                    "pack_panels": ([_P, _P, _I, _I, _I], None),
@@ -349,10 +350,10 @@ def int4_dequant(qweight: torch.Tensor, scales_and_zeros: torch.Tensor, group_si
     return out
 
 
-def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
-    """gelu_tanh(gate) * up for fp32 CPU [..., n] views whose rows share one stride (a fused
-    gate_up output's halves, or two contiguous tensors of one shape) -> [..., n] contiguous; None
-    when the kernel does not apply."""
+def _gated_act(fn: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """act(gate) * up through kernels/gelu.c's `fn` for fp32 CPU [..., n] views whose rows share
+    one stride (a fused gate_up output's halves, or two contiguous tensors of one shape) ->
+    [..., n] contiguous; None when the kernel does not apply."""
     if not (_f32_cpu(gate, up) and gate.shape == up.shape and gate.dim() >= 1 and gate.stride(-1) == 1
             and up.stride(-1) == 1):
         return None
@@ -365,8 +366,18 @@ def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
     if lib is None:
         return None
     out = torch.empty(gate.shape, dtype=torch.float32)
-    lib.gelu_tanh_mul(g2.data_ptr(), u2.data_ptr(), out.data_ptr(), g2.shape[0], n, stride, torch.get_num_threads())
+    getattr(lib, fn)(g2.data_ptr(), u2.data_ptr(), out.data_ptr(), g2.shape[0], n, stride, torch.get_num_threads())
     return out
+
+
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """gelu_tanh(gate) * up (Gemma's MLP), see `_gated_act`."""
+    return _gated_act("gelu_tanh_mul", gate, up)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up (Llama's MLP), see `_gated_act`."""
+    return _gated_act("silu_mul", gate, up)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:

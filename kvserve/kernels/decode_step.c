@@ -1,4 +1,4 @@
-/* The layer stack of a batch-1 decode step in one call (Gemma 3's decoder layer).
+/* The layer stack of a batch-1 decode step in one call (Gemma 3's and Llama's decoder layers).
  *
  * Why: at one token per step each layer is ~10 kernel calls and ~25 small torch ops whose Python
  * and dispatch overhead (~0.6-0.8 ms a layer on this project's 2-core machines) cost as much as
@@ -6,10 +6,11 @@
  * functions are passed in as pointers (kvserve/accel/decode_plan.py takes them from their ctypes
  * handles), so every number is what the Python path computes, bit for bit.
  *
- * Per layer, h [hidden] fp32 in place:
- *   x = rms_norm(h) * g_in;  qkv = x W_qkv^T;  q, k normed + RoPE, k and v written to the pool
- *   a = attention(q) W_o^T;  h = h + rms_norm(a) * g_post_attn;  x = rms_norm(h) * g_pre_ff
- *   gu = x W_gu^T;  m = (gelu_tanh(gate) * up) W_down^T;  h = h + rms_norm(m) * g_post_ff
+ * Per layer, h [hidden] fp32 in place (Gemma's sandwich norms; Llama: without the two post norms):
+ *   x = rms_norm(h) * g_in;  qkv = x W_qkv^T;  q, k normed (when g_q, g_k) + RoPE, k and v written
+ *   a = attention(q) W_o^T;  h = h + rms_norm(a) * g_post_attn  (Llama: h + a);  x = rms_norm(h) * g_pre_ff
+ *   gu = x W_gu^T;  m = (act(gate) * up) W_down^T;  h = h + rms_norm(m) * g_post_ff  (Llama: h + m)
+ * act: gelu_tanh (Gemma) or silu (Llama).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -25,7 +26,7 @@ typedef void (*norm_rope_write_fn)(const float *, int64_t, const float *, int64_
                                    const int64_t *, float *, float *, float *, int);
 typedef int (*paged_decode_fn)(const void *, const void *, const void *, const int32_t *, const int32_t *,
                                const int32_t *, void *, int, int, int, int, int, int, int, float, int, int);
-typedef void (*gelu_mul_fn)(const float *, const float *, float *, int, int, int64_t, int);
+typedef void (*gated_act_fn)(const float *, const float *, float *, int, int, int64_t, int);
 typedef int (*ggml_gemv_fn)(const float *, const uint8_t *, int, float *, int, int, int, int64_t, int);
 
 enum { LIN_PANELS = 0, LIN_INT8 = 1, LIN_INT4 = 2, LIN_GGML = 3, LIN_GGML_Q8 = 4 }; /* Q8: int8 activations */
@@ -49,7 +50,8 @@ typedef struct { /* what a step's layers of one (KV group, window, rope table) s
 typedef struct {
     Lin qkv[3], o, gate_up[2], down; /* q/k/v and gate/up: one fused matrix, or separate parts (GGUF) */
     int n_qkv, n_gate_up;
-    const float *g_in, *g_post_attn, *g_pre_ff, *g_post_ff, *g_q, *g_k; /* g_q / g_k NULL: no q/k norm */
+    /* g_q / g_k NULL: no q/k norm; g_post_attn / g_post_ff NULL: no post norms (Llama) */
+    const float *g_in, *g_post_attn, *g_pre_ff, *g_post_ff, *g_q, *g_k;
     float *k_pool, *v_pool;
     int ctx;
 } Layer;
@@ -62,7 +64,7 @@ typedef struct {
     add_rms_norm_fn add_rms_norm;
     norm_rope_write_fn norm_rope_write;
     paged_decode_fn paged_decode;
-    gelu_mul_fn gelu_mul;
+    gated_act_fn gated_act; /* gelu_tanh_mul or silu_mul */
     ggml_gemv_fn ggml_gemv, ggml_q8;
     int H, KVH, D, hidden, inter, block_size, threads;
     float eps, qk_eps, scale;
@@ -91,6 +93,11 @@ static int linear_parts(const Step *s, const Lin *parts, int n_parts, const floa
     return rc;
 }
 
+static void add(const float *a, const float *b, float *y, int n) {
+#pragma omp simd
+    for (int k = 0; k < n; k++) y[k] = a[k] + b[k];
+}
+
 /* Runs layers [0, L) on h [hidden] in place; returns 0, or -1 (h then undefined: the caller
  * recomputes the step on the Python path) when a kernel fails or memory runs out. */
 int decode_layers(const Step *s, const Layer *layers, const Ctx *ctxs, int L, float *h) {
@@ -115,11 +122,19 @@ int decode_layers(const Step *s, const Layer *layers, const Ctx *ctxs, int L, fl
         rc |= s->paged_decode(q, ly->k_pool, ly->v_pool, c->table, c->start, c->len, att, 1, H, KVH, D, s->block_size,
                               c->max_blocks, splits, s->scale, s->threads, 0);
         rc |= linear(s, &ly->o, att, o);
-        s->add_rms_norm(o, ly->g_post_attn, h, h2, ly->g_pre_ff, x, 1, hid, s->eps, s->threads);
+        if (ly->g_post_attn) {
+            s->add_rms_norm(o, ly->g_post_attn, h, h2, ly->g_pre_ff, x, 1, hid, s->eps, s->threads);
+        } else {
+            add(h, o, h2, hid); /* torch's h + a: one rounding per element, the same sum */
+            s->rms_norm(h2, ly->g_pre_ff, x, 1, hid, s->eps, s->threads);
+        }
         rc |= linear_parts(s, ly->gate_up, ly->n_gate_up, x, gu);
-        s->gelu_mul(gu, gu + inter, act, 1, inter, 2 * inter, s->threads);
+        s->gated_act(gu, gu + inter, act, 1, inter, 2 * inter, s->threads);
         rc |= linear(s, &ly->down, act, o);
-        s->add_rms_norm(o, ly->g_post_ff, h2, h, NULL, NULL, 1, hid, s->eps, s->threads);
+        if (ly->g_post_ff)
+            s->add_rms_norm(o, ly->g_post_ff, h2, h, NULL, NULL, 1, hid, s->eps, s->threads);
+        else
+            add(h2, o, h, hid);
     }
     free(buf);
     return rc ? -1 : 0;

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.kernels import add_rms_norm as add_rms_norm_kernel
-from kvserve.kernels import gated_act_rows, gelu_tanh_mul, norm_rows, residual_norm_rows
+from kvserve.kernels import gated_act_rows, gelu_tanh_mul, norm_rows, residual_norm_rows, silu_mul
 from kvserve.kernels import rms_norm as rms_norm_kernel
 from kvserve.model.config import RopeConfig
 
@@ -176,9 +176,10 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.act = activation(act)
-        # fp32 CPU rows of Gemma's gelu_tanh(gate) * up take one C call (kernels/gelu.c) on every
-        # path, the decode-step kernel included, so all of them compute the same numbers.
+        # fp32 CPU rows of gelu_tanh(gate) * up and silu(gate) * up take one C call (kernels/gelu.c)
+        # on every path, the decode-step kernel included, so all of them compute the same numbers.
         self.gelu_tanh = act in ("gelu_pytorch_tanh", "gelu_tanh")
+        self.silu = self.act is F.silu
         # gate and up as one low-bit matmul (kvserve/accel/fused_quant.py; gate/up_proj are then dropped).
         self.gate_up_proj: nn.Module | None = None
         # gate and up packed as one matrix for decode steps (set by kvserve/accel/panels.py), the
@@ -199,12 +200,12 @@ class GatedMLP(nn.Module):
 
     def activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """act(gate) * up."""
-        if gate.is_cuda and (self.gelu_tanh or self.act is F.silu):
+        if gate.is_cuda and (self.gelu_tanh or self.silu):
             y = gated_act_rows(gate, up, self.gelu_tanh)
             if y is not None:
                 return y
-        if self.gelu_tanh and gate.dtype == torch.float32 and not torch.is_grad_enabled():
-            y = gelu_tanh_mul(gate, up)
+        if (self.gelu_tanh or self.silu) and gate.dtype == torch.float32 and not torch.is_grad_enabled():
+            y = (gelu_tanh_mul if self.gelu_tanh else silu_mul)(gate, up)
             if y is not None:
                 return y
         return self.act(gate) * up
