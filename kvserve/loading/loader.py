@@ -150,7 +150,7 @@ def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "floa
     modules = None
     if path.is_dir() and sparse:  # an N:M-compressed folder (kvserve.loading.sparse_nm.save_compressed)
         sd, modules = sparse_parts(path, cfg, torch_dtype)
-    elif sd is None:  # a folder written by kvserve.loading.quantized.save_quantized
+    elif sd is None:  # a compressed-tensors folder (kvserve.loading.quantized)
         sd, modules = quantized_parts(path, cfg, torch_dtype)
     net = build_model(cfg, sd, torch_dtype, device, path, modules=modules)
     return LoadedModel(net, cfg, tokenizer, path)
