@@ -395,24 +395,6 @@ static void dot_rows(int t, const uint8_t *row, const XRow *x, int R, int K, flo
 
 static int group_of(int t) { return t == T_Q6_K ? 16 : 32; }
 
-/* A row's codes in value order into u [K] (the per-row kernels' unpacking, stored). */
-static void row_codes(int t, const uint8_t *row, int K, uint8_t *u) {
-    const int bb = block_bytes(t);
-    if (t == T_Q4_K || t == T_Q5_K || t == T_Q6_K) {
-        for (int i = 0; i < K / 256; i++) {
-            __m512i v[4];
-            if (t == T_Q6_K) q6k_codes(row + (size_t)i * bb, v);
-            else k45_codes(t, row + (size_t)i * bb, v);
-            for (int c = 0; c < 4; c++) _mm512_storeu_si512((void *)(u + 256 * i + 64 * c), v[c]);
-        }
-        return;
-    }
-    int i = 0;
-    for (; i + 1 < K / 32; i += 2)
-        _mm512_storeu_si512((void *)(u + 32 * i), codes2(t, row + (size_t)i * bb, row + (size_t)(i + 1) * bb));
-    if (i < K / 32) _mm256_storeu_si256((__m256i *)(u + 32 * i), codes1(t, row + (size_t)i * bb));
-}
-
 /* r[i] = word j of row i (j < 16) -> out + 64 j = word j of the 16 rows, for j < words: a 16 x 16
  * transpose of 32-bit words in registers. */
 static inline void transpose_store(__m512i r[16], uint8_t *out, int words) {
@@ -467,37 +449,52 @@ static void pack_tile_b32(int t, const uint8_t *w, int64_t row_bytes, int n0, in
     }
 }
 
-/* Weight rows n0 .. n0 + nr - 1 (nr <= 16; missing rows zero) packed: codes [K / 4][16][4] into
- * `packed`, and per group the 16 rows' weight and offset scales, ws / wo [K / G][16]. */
-static void pack_tile(int t, const uint8_t *w, int64_t row_bytes, int n0, int nr, int K, uint8_t *rows,
-                      uint8_t *packed, float *ws, float *wo) {
-    if (block_values(t) == 32) {
-        pack_tile_b32(t, w, row_bytes, n0, nr, K, packed, ws, wo);
-        return;
-    }
-    const int qk = block_values(t), G = group_of(t), per16 = G / 16, bb = block_bytes(t);
-    float s16[16], o16[16];
-    for (int r = 0; r < NT; r++) {
-        const uint8_t *row = w + (size_t)(n0 + r) * row_bytes;
-        if (r >= nr) {
-            memset(rows + (size_t)r * K, 0, (size_t)K);
-            for (int g = 0; g < K / G; g++) ws[NT * g + r] = wo[NT * g + r] = 0.f;
-            continue;
-        }
-        row_codes(t, row, K, rows + (size_t)r * K);
-        for (int i = 0; i < K / qk; i++) {
-            block_scales(t, row + (size_t)i * bb, s16, o16);
-            for (int j = 0; j < qk / G; j++) {
-                ws[NT * (i * (qk / G) + j) + r] = s16[j * per16];
-                wo[NT * (i * (qk / G) + j) + r] = o16[j * per16];
+/* Q4_K / Q5_K / Q6_K rows into the tile the same way, a 256-value block of the 16 rows at a time:
+ * its four 64-value chunks transposed in registers, its scales (8 groups of 32 values, 16 of 16
+ * for Q6_K) computed as vectors per row and transposed too. */
+static void pack_tile_k(int t, const uint8_t *w, int64_t row_bytes, int n0, int nr, int K, uint8_t *packed,
+                        float *ws, float *wo) {
+    const int bb = block_bytes(t), groups = t == T_Q6_K ? 16 : 8;
+    const uint8_t *row0 = w + (size_t)n0 * row_bytes;
+    for (int i = 0; i < K / 256; i++) {
+        __m512i v[NT][4], sc[NT], mn[NT];
+        for (int q = 0; q < NT; q++) {
+            const uint8_t *b = row0 + (size_t)q * row_bytes + (size_t)i * bb;
+            if (q >= nr) {
+                for (int c = 0; c < 4; c++) v[q][c] = _mm512_setzero_si512();
+                sc[q] = mn[q] = _mm512_setzero_si512();
+            } else if (t == T_Q6_K) {
+                q6k_codes(b, v[q]);
+                const __m512 s = _mm512_mul_ps(_mm512_set1_ps(f16(b + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                   _mm_loadu_si128((const __m128i *)(b + 192)))));
+                sc[q] = _mm512_castps_si512(s);
+                mn[q] = _mm512_castps_si512(_mm512_mul_ps(s, _mm512_set1_ps(32.f)));
+            } else {
+                k45_codes(t, b, v[q]);
+                uint64_t s8, m8;
+                k4_scales(b + 4, &s8, &m8);
+                sc[q] = _mm512_zextsi256_si512(_mm256_castps_si256(bytes8_ps(s8, f16(b))));
+                mn[q] = _mm512_zextsi256_si512(_mm256_castps_si256(bytes8_ps(m8, f16(b + 2))));
             }
         }
+        for (int c = 0; c < 4; c++) {
+            __m512i r[NT];
+            for (int q = 0; q < NT; q++) r[q] = v[q][c];
+            transpose_store(r, packed + (size_t)NT * (256 * i + 64 * c), 16);
+        }
+        transpose_store(sc, (uint8_t *)(ws + (size_t)NT * groups * i), groups);
+        transpose_store(mn, (uint8_t *)(wo + (size_t)NT * groups * i), groups);
     }
-    __m512i r[16];
-    for (int k4 = 0; k4 < K / 4; k4 += 16) { /* K-quants: K / 4 is a multiple of 64 */
-        for (int q = 0; q < NT; q++) r[q] = _mm512_loadu_si512((const void *)(rows + (size_t)q * K + 4 * k4));
-        transpose_store(r, packed + (size_t)NT * 4 * k4, 16);
-    }
+}
+
+/* Weight rows n0 .. n0 + nr - 1 (nr <= 16; missing rows zero) packed: codes [K / 4][16][4] into
+ * `packed`, and per group the 16 rows' weight and offset scales, ws / wo [K / G][16]. */
+static void pack_tile(int t, const uint8_t *w, int64_t row_bytes, int n0, int nr, int K, uint8_t *packed, float *ws,
+                      float *wo) {
+    if (block_values(t) == 32)
+        pack_tile_b32(t, w, row_bytes, n0, nr, K, packed, ws, wo);
+    else
+        pack_tile_k(t, w, row_bytes, n0, nr, K, packed, ws, wo);
 }
 
 /* out [R][16] = x rows . the tile's 16 rows; G and R constants where inlined. */
@@ -547,17 +544,17 @@ static int gemm(const XRow *xr, const uint8_t *w, int t, float *y, int M, int N,
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-        uint8_t *rows = malloc((size_t)NT * K), *packed = aligned_alloc(64, (size_t)NT * K);
+        uint8_t *packed = aligned_alloc(64, (size_t)NT * K);
         float *ws = malloc(sizeof(float) * NT * (K / G)), *wo = malloc(sizeof(float) * NT * (K / G));
-        if (!rows || !packed || !ws || !wo) {
+        if (!packed || !ws || !wo) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int tile = 0; tile < tiles; tile++) {
-            if (!rows || !packed || !ws || !wo) continue;
+            if (!packed || !ws || !wo) continue;
             const int n0 = NT * tile, nr = N - n0 < NT ? N - n0 : NT;
-            pack_tile(t, w, row_bytes, n0, nr, K, rows, packed, ws, wo);
+            pack_tile(t, w, row_bytes, n0, nr, K, packed, ws, wo);
             /* The next tile's weights on their way to L2 while this one multiplies: packing read
              * them at DRAM latency otherwise (the prefetchers lose a stream interrupted by the
              * multiplies), ~60% of a call's time on the bundled model's head at 16 rows of x. */
@@ -577,7 +574,6 @@ static int gemm(const XRow *xr, const uint8_t *w, int t, float *y, int M, int N,
                 for (int r = 0; r < R; r++) memcpy(y + (size_t)(m0 + r) * N + n0, out + NT * r, sizeof(float) * nr);
             }
         }
-        free(rows);
         free(packed);
         free(ws);
         free(wo);
