@@ -92,3 +92,19 @@ def test_automatic_pool_holds_max_model_len_within_the_memory_available(tiny_lla
     assert small.max_model_len < 512
     assert builder.auto_kv_bytes(512, page, groups, 16, available=None) == groups * 32 * page
 
+
+
+def test_loading_and_serving_a_model_imports_no_compiler(tiny_llama):
+    """Building the empty model on the meta device must not run meta-device ops (torch routes
+    them through torch._refs, whose first use imports torch._dynamo with sympy and triton: ~150
+    MB resident that a model not using torch.compile pays for nothing)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from kvserve import LLM, SamplingParams; "
+            f"llm = LLM(model={str(tiny_llama)!r}, kv_cache_gib=0.01); "
+            "llm.generate([2, 5, 9], SamplingParams(max_tokens=3, temperature=0)); "
+            "print(sorted(m for m in ('torch._dynamo', 'sympy', 'triton') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"

@@ -19,7 +19,7 @@ from kvserve.loading.tokenizer import Tokenizer
 from kvserve.model.base import CausalLM
 from kvserve.model.config import ModelConfig
 from kvserve.model.layers import RotaryEmbedding
-from kvserve.model.registry import model_class
+from kvserve.model.registry import empty_model
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,7 @@ def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: to
     `modules`: ready submodules by name (quantized linears of a saved quantized folder) that
     replace the model's own before the rest is adopted from `state_dict`; their tensors keep
     their dtypes (packed codes, scales)."""
-    with torch.device("meta"):
-        model = model_class(cfg)(cfg)
+    model = empty_model(cfg)
     own: dict[str, torch.Tensor] = {}
     for name, module in (modules or {}).items():
         parent, _, leaf = name.rpartition(".")

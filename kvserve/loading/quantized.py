@@ -81,7 +81,7 @@ from kvserve.loading.save import (
     unpack_loaded,
     write_folder,
 )
-from kvserve.model.registry import model_class
+from kvserve.model.registry import empty_model
 from kvserve.weights.embedding import QuantEmbedding
 from kvserve.weights.linear import QuantLinear
 from kvserve.weights.spec import is_quantized_module
@@ -245,8 +245,7 @@ class _Tensors:
 def _candidates(cfg) -> list[tuple[str, str]]:
     """(HF module name, class name) of the model's linears and embedding, in model order: what
     the config's targets can match."""
-    with torch.device("meta"):
-        model = model_class(cfg)(cfg)
+    model = empty_model(cfg)
     out = [(hf_name(n), type(m).__name__) for n, m in model.named_modules()
            if type(m) in (nn.Linear, nn.Embedding)]
     if model.lm_head is None:  # tied: HF still has an lm_head Linear

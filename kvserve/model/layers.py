@@ -102,8 +102,11 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(cfg: RopeConfig, head_dim: int) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] in fp32, with HF's llama3 / linear scaling rules."""
-    inv_freq = 1.0 / (cfg.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    """Inverse frequencies [head_dim // 2] in fp32, with HF's llama3 / linear scaling rules;
+    computed on the CPU whatever the default device (the same table everywhere, and no meta-device
+    ops while a loader builds an empty model)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (cfg.theta ** exponents)
     scaling = cfg.scaling_dict
     if scaling is None:
         return inv_freq
