@@ -21,6 +21,9 @@ IDS = [5, 17, 42, 99, 3, 8, 100, 200, 31, 7, 64, 250]
 PROMPTS = ["The quick brown fox", "def f(x):", "Paged attention stores keys"]
 # |auto - fp32| / max |fp32 logit|: the same weights, fp32 sums in another order (measured ~1e-6)
 REL_TOL = 1e-5
+# Without a compiler the kernel's tests skip; `make test` (KVSERVE_REQUIRE_KERNELS=1) makes a failed
+# build an error instead, as for the other kernels.
+needs_kernel = pytest.mark.skipif(kernels.kernel_lib("half_gemv") is None, reason="no C compiler")
 
 
 @pytest.fixture(scope="module", params=[("llama", torch.bfloat16), ("llama", torch.float16),
@@ -92,21 +95,22 @@ def test_explicit_dtypes_and_fp32_checkpoints_are_unchanged(tmp_path):
         assert {p.dtype for p in model.parameters()} == {torch.float32}
 
 
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m, n, k", [(1, 7, 5), (3, 33, 40), (4, 64, 1000), (half.GEMV_MAX_ROWS, 100, 648)])
 def test_kernel_equals_the_widened_product(dtype, m, n, k):
     torch.manual_seed(0)
     x, w = torch.randn(m, k), torch.randn(n, k).to(dtype)
     y = kernels.half_gemv(x, w)
-    assert y is not None  # the kernel builds here (KVSERVE_REQUIRE_KERNELS makes a failed build an error)
     ref = F.linear(x.double(), w.double()).float()
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * k ** 0.5)
     rows = torch.cat([kernels.half_gemv(x[i:i + 1], w) for i in range(m)])
     assert torch.equal(y, rows)  # a row's result does not depend on the batch it is in
 
 
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fp16_conversion_is_exact_for_every_value(dtype):
+def test_widening_is_exact_for_every_16bit_value(dtype):
     bits = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(dtype)
     y = kernels.half_gemv(torch.ones(1, 1), bits.view(-1, 1))[0]  # the scalar tail: one weight per row
     ref = bits.float()

@@ -19,7 +19,6 @@ from kvserve.engine.builder import low_bit_weights
 from kvserve.loading import load_model
 from kvserve.loading.footprint import weight_footprint
 from kvserve.loading.streamed import load_quantized_streaming
-from kvserve.model.base import stored_weight_bytes
 from kvserve.weights.embedding import QuantEmbedding
 from tests.tiny_models import make_model, write_tokenizer
 
@@ -116,3 +115,29 @@ def test_peak_memory_is_the_quantized_model_plus_a_block(tmp_path):
     # The memory plan counts the quantized weights and the load's transient, not the fp32 model.
     planned = weight_footprint(tmp_path, "int8", "auto", pack=True)
     assert streamed["kept"] < planned < whole["extra"]
+
+
+@pytest.mark.parametrize("flags", [["--bits", "4", "--group-size", "32"],
+                                   ["--bits", "8", "--granularity", "channel", "--sym", "--quant-lm-head",
+                                    "--quant-embedding"]])
+def test_kvserve_quantize_rtn_streams_the_same_folder(folder, tmp_path, monkeypatch, flags):
+    from kvserve.cli import main
+    from kvserve.compress.quant.apply import quantize_model
+    from kvserve.loading.quantized import save_quantized
+
+    whole = load_model(folder, "float32")
+    quantize_model(whole.model, "rtn", bits=int(flags[1]), group_size=32, sym="--sym" in flags,
+                   granularity="channel" if "channel" in flags else "group", lm_head="--quant-lm-head" in flags,
+                   embedding="--quant-embedding" in flags)
+    save_quantized(whole, tmp_path / "whole")
+
+    def no_float_load(*args, **kwargs):
+        raise AssertionError("the float model was loaded whole")
+
+    monkeypatch.setattr("kvserve.loading.load_model", no_float_load)
+    assert main(["quantize", str(folder), "--method", "rtn", *flags, "--out", str(tmp_path / "streamed")]) == 0
+    a = load_model(tmp_path / "streamed").model.state_dict()
+    b = load_model(tmp_path / "whole").model.state_dict()
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
