@@ -158,7 +158,9 @@ class EngineConfig:
     model: str | None = None  # GGUF file or HF folder; None = the bundled Gemma 3 270M
     device: str = "cpu"
     # Weights and activations: "auto" is float32 on the CPU (exact against HF transformers) and
-    # bfloat16 on CUDA (half the bytes each decode step reads; tensor cores).
+    # bfloat16 on CUDA (half the bytes each decode step reads; tensor cores). On the CPU "auto"
+    # stays "auto" here: an HF folder saved in bfloat16 / float16 keeps its linear weights and
+    # embedding in that dtype, computing in float32 (kvserve/weights/half.py); `compute_dtype`.
     dtype: str = "auto"
     block_size: int = 16
     # KV pool budget. None: enough for max_model_len tokens in every layer, at most half the memory
@@ -238,22 +240,27 @@ class EngineConfig:
         dev = str(self.device).split(":")[0]
         if dev not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
-        if self.dtype == "auto":
-            self.dtype = "bfloat16" if dev == "cuda" else "float32"
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype == "auto" and dev == "cuda":
+            self.dtype = "bfloat16"
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {self.dtype!r}")
         _positive_int(self, "num_threads", optional=True)
         _flag(self, "enforce_eager")
         if self.weights == "fp32":  # llama.cpp's name for unquantized fp32 weights
-            if self.dtype not in ("float32", "fp32"):
+            if self.dtype not in ("float32", "fp32", "auto"):
                 raise ValueError(f"weights 'fp32' contradicts dtype {self.dtype!r}: use weights='float'")
-            self.weights = "float"
+            self.dtype, self.weights = "float32", "float"
         self.cache_config = CacheConfig(**self._values(CacheConfig))
         self.scheduler_config = SchedulerConfig(**self._values(SchedulerConfig))
         self.weights_config = WeightsConfig(**self._values(WeightsConfig))
         self.speculative_config = SpeculativeConfig(**self._values(SpeculativeConfig))
         self.streaming_config = StreamingConfig(**self._values(StreamingConfig))
         self._check_combinations(dev)
+
+    @property
+    def compute_dtype(self) -> str:
+        """The dtype activations (and, but for a kept 16-bit checkpoint, weights) are in."""
+        return "float32" if self.dtype == "auto" else self.dtype
 
     def _values(self, part: type) -> dict:
         """This config's values of the fields `part` has (the same names)."""

@@ -30,14 +30,15 @@ from kvserve.engine.scheduler import Scheduler
 from kvserve.kernels.host_memory import available_memory_bytes, keep_freed_memory
 from kvserve.loading import LoadedModel, load_model
 from kvserve.loading.footprint import weight_footprint
-from kvserve.loading.loader import build_model, default_model_path, resolve_dtype
+from kvserve.loading.loader import build_model, default_model_path
+from kvserve.loading.streamed import load_quantized_streaming
 from kvserve.model.attention import KVCache
 from kvserve.model.base import stored_weight_bytes
 from kvserve.model.config import LayerGroup, ModelConfig, kv_layer_groups
 from kvserve.model.streaming import StreamPolicy, layer_policies
 from kvserve.weights.ggml import GGMLLinear
 from kvserve.weights.linear import QuantLinear
-from kvserve.weights.quantize import rtn_quantize_model
+from kvserve.weights.quantize import engine_quantize
 
 log = logging.getLogger(__name__)
 # StreamingLLM's default context cap: a position is only a stream index there (the model sees
@@ -78,7 +79,7 @@ def check_memory(cfg: EngineConfig) -> None:
     if torch.device(cfg.device).type != "cpu" or available is None or not path.exists():
         return
     w = cfg.weights_config
-    weights = weight_footprint(path, w.weights, resolve_dtype(cfg.dtype), w.pack_weights and not w.compile)
+    weights = weight_footprint(path, w.weights, cfg.dtype, w.pack_weights and not w.compile)
     kv = int(cfg.kv_cache_gib * 2**30) if cfg.kv_cache_gib is not None else 0
     if weights + kv > available:
         kv_part = f" + KV pool {kv / 1e9:.2f} GB (--kv-cache-gib)" if kv else ""
@@ -102,6 +103,11 @@ def load_weights(cfg: EngineConfig, loaded: LoadedModel | None) -> LoadedModel:
                              "loaded=load_model(path, gguf_blocks=True), not a model loaded as floats")
         prepare_model(loaded.model, cfg.device, pack=w.pack_weights)
         return loaded
+    if loaded is None and w.low_bit:  # quantized as it is read, block by block, when the source allows
+        streamed = load_quantized_streaming(cfg.model, w.weights, cfg.dtype)
+        if streamed is not None:
+            prepare_model(streamed.model, cfg.device, pack=w.pack_weights, head_only=w.compile, low_bit=True)
+            return streamed
     out = low_bit_weights(loaded or load_model(cfg.model, cfg.dtype, cfg.device), w.weights, cfg.device,
                           owned=loaded is None)
     prepare_model(out.model, cfg.device, pack=w.pack_weights, head_only=w.compile, low_bit=w.low_bit)
@@ -121,18 +127,8 @@ def low_bit_weights(loaded: LoadedModel, kind: str, device: str, owned: bool) ->
     if not owned:
         dtype = next(model.parameters()).dtype
         model = build_model(loaded.config, model.state_dict(), dtype, device, loaded.source)
-    bits = 8 if kind == "int8" else 4
-    group = 128
-    if bits == 4:  # the largest group the int4 kernel takes that divides every layer's inputs
-        widths = {m.in_features for m in model.modules() if isinstance(m, torch.nn.Linear)}
-        fits = [g for g in (128, 64, 32) if all(w % g == 0 for w in widths)]
-        if not fits:
-            raise ValueError(f"weights 'int4': no group size of 128, 64 or 32 divides the layer widths "
-                             f"{sorted(widths)} of {loaded.source}")
-        group = fits[0]
     t = time.perf_counter()
-    rtn_quantize_model(model, bits, group, granularity="channel" if bits == 8 else "group", sym=bits == 8,
-                       lm_head=True, embedding=True, progress=False)
+    engine_quantize(model, kind, loaded.source)
     log.info("weights %s: RTN-quantized every linear, the LM head and the embedding in %.1f s", kind,
              time.perf_counter() - t)
     return dataclasses.replace(loaded, model=model)

@@ -123,6 +123,7 @@ _SIGNATURES: dict[str, dict[str, tuple[list, object]]] = {
     "lowbit_gemv": {"int8_gemv": ([_P, _P, _P, _P, _I, _I, _I, _I], None),  # a few rows, int8 / int4 weights
                     "int4_gemv": ([_P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I], ctypes.c_int),
                     "int4_dequant": ([_P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I], None)},
+    "half_gemv": {"half_gemv": ([_P, _P, _I, _P, _I, _I, _I, _I], None)},  # a few rows, bf16 / fp16 weights
     "ggml_blocks": {"ggml_gemv": ([_P, _P, _I, _P, _I, _I, _I, _L, _I], ctypes.c_int),  # GGUF's quantized blocks
                     "ggml_dequant": ([_P, _I, _I, _L, _P, _I, _P, _I], ctypes.c_int)},
     "ggml_int8": {"ggml_q8_matmul": ([_P, _P, _I, _P, _I, _I, _I, _L, _I], ctypes.c_int),  # blocks x int8 rows
@@ -314,6 +315,24 @@ def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> to
     (m, k), n = x.shape, qweight.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
     lib.int8_gemv(x.data_ptr(), qweight.data_ptr(), scale.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads())
+    return y
+
+
+def half_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """y [M, N] fp32 = x [M, K] fp32 @ weight^T for weight bf16 or fp16 [N, K], widened to fp32 in
+    registers, with the C kernel for a few rows (each row computed as it would be alone); None
+    when it is unavailable or does not apply (another dtype or device, a non-contiguous weight)."""
+    if not (_f32_cpu(x) and weight.is_cpu and weight.dtype in (torch.bfloat16, torch.float16)
+            and weight.is_contiguous() and x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1]):
+        return None
+    lib = kernel_lib("half_gemv")
+    if lib is None:
+        return None
+    x = x.contiguous()
+    (m, k), n = x.shape, weight.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    lib.half_gemv(x.data_ptr(), weight.data_ptr(), int(weight.dtype == torch.bfloat16), y.data_ptr(), m, n, k,
+                  torch.get_num_threads())
     return y
 
 

@@ -5,8 +5,10 @@ out of memory halfway through a load.
 The figures are the resident bytes once loaded, by how the weights are kept:
 - "gguf" (a GGUF's own blocks): the file's tensor bytes (memory-mapped);
 - "float": every element in `dtype`, twice on the CPU in fp32 when the packed decode copy is kept
-  (kvserve/accel/panels.py);
-- "int8" / "int4": the fp32 load they are quantized from (the peak of the start);
+  (kvserve/accel/panels.py); with dtype "auto" a bf16 / fp16 HF checkpoint's matrices at their
+  16 bits (kvserve/weights/half.py) and the rest in fp32;
+- "int8" / "int4": the quantized weights, plus the float bytes held while the load quantizes
+  them block by block (kvserve/loading/streamed.py): the peak of the start;
 - an HF folder already quantized or N:M-compressed: its files' bytes.
 """
 from __future__ import annotations
@@ -21,8 +23,11 @@ import gguf
 import torch
 
 from kvserve.loading.errors import ModelLoadError
+from kvserve.loading.hf import read_hf_config
+from kvserve.loading.loader import AUTO, keeps_16bit, resolve_dtype
 from kvserve.loading.quantized import read_quantization_config
 from kvserve.loading.sparse_nm import read_sparsity_config
+from kvserve.weights.quantize import ENGINE_INT4_GROUPS
 
 _SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                       "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
@@ -31,28 +36,34 @@ _SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 
 def file_tensors(path: Path) -> tuple[int, int]:
     """(elements, stored bytes) of every tensor in a .gguf file or an HF folder's *.safetensors,
     from the headers alone."""
+    tensors = tensor_list(path)
+    return sum(math.prod(shape) for _, shape, _ in tensors), sum(b for _, _, b in tensors)
+
+
+def tensor_list(path: Path) -> list[tuple[str, tuple[int, ...], int]]:
+    """(name, shape as [out, in] for a matrix, stored bytes) of every tensor of a .gguf file or an
+    HF folder's *.safetensors, from the headers alone."""
     if path.suffix == ".gguf":
         try:
             return _gguf_tensors(path)
         except (ValueError, OSError, struct.error, KeyError, RecursionError) as e:  # a corrupt or hostile header
             raise ModelLoadError(path, f"unreadable GGUF header ({e})") from None
-    elements = stored = 0
+    out = []
     for f in sorted(path.glob("*.safetensors")):
         for name, info in _safetensors_header(f).items():
             if name == "__metadata__":
                 continue
-            n = math.prod(info["shape"])
-            elements += n
-            stored += n * _SAFETENSORS_BYTES.get(info["dtype"], 4)
-    return elements, stored
+            shape = tuple(info["shape"])
+            out.append((name, shape, math.prod(shape) * _SAFETENSORS_BYTES.get(info["dtype"], 4)))
+    return out
 
 
 # GGUF metadata value types of fixed size (gguf.GGUFValueType numbers -> bytes); 8: string, 9: array
 _GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 
 
-def _gguf_tensors(path: Path) -> tuple[int, int]:
-    """(elements, bytes) of a GGUF's tensors from its header, skipping the metadata without
+def _gguf_tensors(path: Path) -> list[tuple[str, tuple[int, ...], int]]:
+    """(name, shape, bytes) of a GGUF's tensors from its header, skipping the metadata without
     building it (gguf.GGUFReader makes an object of each of a 262k vocabulary's strings: hundreds
     of MB at its peak, for numbers this needs none of)."""
     with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
@@ -80,9 +91,11 @@ def _gguf_tensors(path: Path) -> tuple[int, int]:
             pos += 8 + struct.unpack_from("<Q", m, pos)[0]  # the key
             (kind,) = struct.unpack_from("<I", m, pos)
             pos = skip_value(kind, pos + 4)
-        elements = stored = 0
+        out = []
         for _ in range(n_tensors):
-            pos += 8 + struct.unpack_from("<Q", m, pos)[0]  # the name
+            (name_len,) = struct.unpack_from("<Q", m, pos)
+            name = bytes(m[pos + 8:pos + 8 + name_len]).decode("utf-8", "replace")
+            pos += 8 + name_len
             (n_dims,) = struct.unpack_from("<I", m, pos)
             if n_dims > 4:  # ggml's GGML_MAX_DIMS
                 raise ValueError(f"a tensor of {n_dims} dimensions")
@@ -91,9 +104,8 @@ def _gguf_tensors(path: Path) -> tuple[int, int]:
             pos += 4 + 8 * n_dims + 4 + 8
             n = math.prod(dims)
             values, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)]
-            elements += n
-            stored += n // values * size
-        return elements, stored
+            out.append((name, tuple(reversed(dims)), n // values * size))  # ggml lists the inner dimension first
+        return out
 
 
 def _safetensors_header(f: Path) -> dict:
@@ -105,12 +117,66 @@ def _safetensors_header(f: Path) -> dict:
         raise ModelLoadError(f, f"unreadable safetensors header ({e})") from None
 
 
-def weight_footprint(path: Path, weights: str, dtype: torch.dtype, pack: bool) -> int:
-    """Bytes the weights of `path` will hold once loaded as `weights` (see the module doc)."""
-    elements, stored = file_tensors(path)
+def weight_footprint(path: Path, weights: str, dtype: torch.dtype | str, pack: bool) -> int:
+    """Bytes the weights of `path` will hold once loaded as `weights` (see the module doc);
+    `dtype` as load_model takes it ("auto": a 16-bit HF checkpoint keeps its matrices in 16 bits)."""
+    tensors = tensor_list(path)
+    elements = sum(math.prod(shape) for _, shape, _ in tensors)
     if weights == "gguf" or (path.is_dir() and (read_quantization_config(path) or read_sparsity_config(path))):
-        return stored
+        return sum(b for _, _, b in tensors)
     if weights in ("int8", "int4"):
-        return elements * 4
+        return quantized_bytes(tensors, weights) + streaming_transient(tensors, path.suffix == ".gguf")
+    if isinstance(dtype, str) and dtype == AUTO:
+        if path.is_dir() and keeps_16bit(dtype, "cpu", path, read_hf_config(path)):
+            # 16-bit matrices as stored (kvserve/weights/half.py); norms and biases in fp32; no packed copy
+            return sum(b if len(shape) == 2 and b == 2 * math.prod(shape) else 4 * math.prod(shape)
+                       for _, shape, b in tensors)
+        dtype = torch.float32
+    dtype = resolve_dtype(dtype)
     size = torch.empty(0, dtype=dtype).element_size()
     return elements * size * (2 if pack and dtype == torch.float32 else 1)
+
+
+def _int4_group(tensors: list[tuple[str, tuple[int, ...], int]]) -> int:
+    """The group the engine's int4 takes (kvserve/weights/quantize.py engine_rtn_settings)."""
+    widths = {shape[1] for _, shape, _ in tensors if len(shape) == 2}
+    return next((g for g in ENGINE_INT4_GROUPS if all(w % g == 0 for w in widths)), ENGINE_INT4_GROUPS[-1])
+
+
+def quantized_bytes(tensors: list[tuple[str, tuple[int, ...], int]], weights: str) -> int:
+    """What EngineConfig.weights int8 / int4 keeps: every matrix [N, K] (linears, the head, the
+    embedding; a tied table once) as the int kernels store it, int8 codes + a bf16 scale per row,
+    or 4-bit codes + bf16 (scale, zero) per group (rows the int4 kernel cannot take: int8 codes +
+    fp32 scales and zeros); the rest (norms, biases) in fp32."""
+    group = _int4_group(tensors)
+    total = 0
+    for _, shape, _ in tensors:
+        n = math.prod(shape)
+        if len(shape) != 2:
+            total += 4 * n
+        elif weights == "int8":
+            total += n + 2 * shape[0]
+        elif shape[0] % 16 == 0 and shape[1] % group == 0:
+            total += n // 2 + 4 * (shape[1] // group) * shape[0]
+        else:
+            total += n + 8 * -(-shape[1] // group) * shape[0]
+    return total
+
+
+def streaming_transient(tensors: list[tuple[str, tuple[int, ...], int]], fp32_cache: bool) -> int:
+    """The float bytes held beside the quantized weights while a load quantizes them
+    (kvserve/loading/streamed.py): the embedding and head as read (fp32 from a GGUF's cache) until
+    they are quantized last, plus the larger of one block's fp32 weights and the RTN temporaries
+    of the largest of them (its fp32 copy, codes, their conversions and packing: about 6 fp32
+    copies at the peak measured for int8 and int4)."""
+    blocks: dict[str, int] = {}
+    ends = largest_end = 0
+    for name, shape, b in tensors:
+        n = math.prod(shape)
+        parts = name.removeprefix("model.").split(".")
+        if parts[0] in ("layers", "blk") and len(parts) > 1:
+            blocks[parts[1]] = blocks.get(parts[1], 0) + 4 * n
+        elif len(shape) == 2:
+            ends += 4 * n if fp32_cache else b
+            largest_end = max(largest_end, n)
+    return ends + max(max(blocks.values(), default=0), 6 * 4 * largest_end)

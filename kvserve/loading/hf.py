@@ -5,9 +5,9 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from kvserve.loading.errors import ModelLoadError
+from kvserve.loading.tensors import TensorFiles
 from kvserve.model.config import FULL, SLIDING, ModelConfig, RopeConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "deepseek_v2", "deepseek_v3")
@@ -197,17 +197,27 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
+def hf_tensor_files(folder: Path, cfg: ModelConfig) -> TensorFiles:
+    """The folder's tensors under our names ("model." prefix dropped; a tied lm_head is skipped),
+    read one at a time."""
+    def rename(key: str) -> str | None:
+        name = key.removeprefix("model.")
+        return None if name == "lm_head.weight" and cfg.tie_word_embeddings else name
+
+    return TensorFiles(safetensors_files(folder), rename)
+
+
 def hf_state_dict(folder: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """All tensors under our names ("model." prefix dropped; a tied lm_head is skipped)."""
-    sd: dict[str, torch.Tensor] = {}
-    for f in safetensors_files(folder):
-        try:
-            with safe_open(str(f), framework="pt") as st:
-                for key in st.keys():
-                    name = key.removeprefix("model.")
-                    if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                        continue
-                    sd[name] = st.get_tensor(key)
-        except Exception as e:  # SafetensorError on truncation / bad headers
-            raise ModelLoadError(f, f"not a readable safetensors file ({e})") from None
-    return sd
+    """All tensors under our names, as stored (see hf_tensor_files)."""
+    return hf_tensor_files(folder, cfg).state_dict()
+
+
+HALF_CHECKPOINT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def checkpoint_dtype(folder: Path) -> torch.dtype | None:
+    """The 16-bit dtype config.json says the checkpoint is saved in (`dtype`, transformers 5, or
+    `torch_dtype`), None for any other (float32, absent)."""
+    c = read_json(folder / "config.json")
+    name = c.get("dtype") or c.get("torch_dtype")
+    return HALF_CHECKPOINT_DTYPES.get(name) if isinstance(name, str) else None

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from kvserve.loading.errors import ModelLoadError
 from kvserve.loading.gguf import load_gguf, load_gguf_blocks
-from kvserve.loading.hf import hf_state_dict, read_hf_config
+from kvserve.loading.hf import checkpoint_dtype, hf_state_dict, read_hf_config
 from kvserve.loading.quantized import quantized_parts, read_quantization_config
 from kvserve.loading.sparse_nm import read_sparsity_config, sparse_parts
 from kvserve.loading.tokenizer import Tokenizer
@@ -20,11 +20,13 @@ from kvserve.model.base import CausalLM
 from kvserve.model.config import ModelConfig
 from kvserve.model.layers import RotaryEmbedding
 from kvserve.model.registry import empty_model
+from kvserve.weights.half import half_weight_modules
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
+AUTO = "auto"  # float32 on the CPU (16-bit checkpoints keep 16-bit weights), bfloat16 elsewhere
 
 
 @dataclass
@@ -48,19 +50,26 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)} or {AUTO!r} (load_model), got {dtype!r}")
     return DTYPES[dtype]
 
 
 def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
                 device: torch.device | str, source: Path,
-                modules: dict[str, torch.nn.Module] | None = None) -> CausalLM:
+                modules: dict[str, torch.nn.Module] | None = None, keep_16bit: bool = False) -> CausalLM:
     """Instantiate without allocating random weights, then adopt the loaded tensors.
 
     `modules`: ready submodules by name (quantized linears of a saved quantized folder) that
     replace the model's own before the rest is adopted from `state_dict`; their tensors keep
-    their dtypes (packed codes, scales)."""
+    their dtypes (packed codes, scales). `keep_16bit`: bf16 / fp16 linear weights and embedding
+    stay 16-bit (kvserve/weights/half.py), computed with in `dtype`."""
     model = empty_model(cfg)
+    if keep_16bit:
+        try:
+            halves, state_dict = half_weight_modules(model, state_dict, dtype)
+        except ValueError as e:
+            raise ModelLoadError(source, str(e)) from None
+        modules = {**(modules or {}), **halves}
     own: dict[str, torch.Tensor] = {}
     for name, module in (modules or {}).items():
         parent, _, leaf = name.rpartition(".")
@@ -74,8 +83,21 @@ def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: to
         module = module.to(device)
         setattr(holder, leaf, module)
         own.update({f"{name}.{k}": v for k, v in module.state_dict().items()})
-    expected = set(model.state_dict()) - set(own)
-    missing, unexpected = expected - set(state_dict), set(state_dict) - expected
+    check_tensors(model, {k: tuple(v.shape) for k, v in state_dict.items()}, source, set(own))
+    sd = {k: v.to(device=device, dtype=dtype) for k, v in state_dict.items()}
+    model.load_state_dict({**sd, **own}, assign=True, strict=True)
+    if torch.device(device).type == "cpu" and dtype == torch.float32:
+        use_column_major_weights(model)
+    return finish_model(model, cfg, device)
+
+
+def check_tensors(model: torch.nn.Module, shapes: dict[str, tuple[int, ...]], source: Path,
+                  own: set[str] = frozenset()) -> None:
+    """The tensors `shapes` (name -> shape) are exactly what `model` (a skeleton) needs beside
+    `own` (held by modules already placed), in the shapes its config implies: else a
+    ModelLoadError naming `source`."""
+    expected = set(model.state_dict()) - own
+    missing, unexpected = expected - set(shapes), set(shapes) - expected
     if missing or unexpected:
         problem = []
         if missing:
@@ -86,14 +108,13 @@ def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: to
     for name, p in model.state_dict().items():
         if name in own:
             continue
-        if tuple(state_dict[name].shape) != tuple(p.shape):
-            raise ModelLoadError(source, f"tensor {name!r} has shape {tuple(state_dict[name].shape)}, "
-                                         f"config implies {tuple(p.shape)}")
-    sd = {k: v.to(device=device, dtype=dtype) for k, v in state_dict.items()}
-    model.load_state_dict({**sd, **own}, assign=True, strict=True)
-    if torch.device(device).type == "cpu" and dtype == torch.float32:
-        use_column_major_weights(model)
-    # Non-persistent buffers are not in the state dict: rebuild them for real.
+        if shapes[name] != tuple(p.shape):
+            raise ModelLoadError(source, f"tensor {name!r} has shape {shapes[name]}, config implies {tuple(p.shape)}")
+
+
+def finish_model(model: CausalLM, cfg: ModelConfig, device: torch.device | str) -> CausalLM:
+    """A model whose tensors are all placed: its non-persistent buffers (not in the state dict)
+    built for real, in eval mode."""
     model.rotary = torch.nn.ModuleDict({t: RotaryEmbedding(r, cfg.head_dim) for t, r in cfg.rope.items()}).to(device)
     return model.eval()
 
@@ -112,22 +133,44 @@ def use_column_major_weights(model: torch.nn.Module) -> None:
             module.weight = torch.nn.Parameter(w.detach().t().contiguous().t(), requires_grad=False)
 
 
+def compute_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
+    """The dtype a model computes in: `dtype`, where "auto" is float32 on the CPU and bfloat16
+    elsewhere (on the CPU "auto" may still keep a 16-bit checkpoint's weights in 16 bits: see
+    load_model)."""
+    if isinstance(dtype, str) and dtype == AUTO:
+        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    return resolve_dtype(dtype)
+
+
+def keeps_16bit(dtype: str | torch.dtype, device: str | torch.device, path: Path, cfg: ModelConfig) -> bool:
+    """Whether `load_model` keeps this HF folder's weights in 16 bits: dtype "auto" on the CPU, a
+    checkpoint saved in bfloat16 / float16, an architecture that only calls its linear layers
+    (MLA reads kv_b_proj's weight itself)."""
+    return (isinstance(dtype, str) and dtype == AUTO and torch.device(device).type == "cpu"
+            and not cfg.mla and checkpoint_dtype(path) is not None)
+
+
 def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "float32",
                device: str | torch.device = "cpu", gguf_blocks: bool = False,
                gguf_activations: str = "int8") -> LoadedModel:
     """A model from a .gguf file or an HF folder (plain, quantized or N:M-compressed), its
-    tokenizer and config. `gguf_blocks`: a GGUF's quantized weights stay the file's blocks
-    (memory-mapped, kvserve/weights/ggml.py) instead of being dequantized to `dtype`; CPU only;
-    `gguf_activations` "int8" (llama.cpp's arithmetic) or "float" (the float model's products)."""
-    torch_dtype = resolve_dtype(dtype)
+    tokenizer and config. `dtype` "auto": float32 on the CPU (bfloat16 on CUDA), except that a
+    plain HF folder saved in bfloat16 / float16 keeps its linear weights and embedding in that
+    dtype on the CPU, computing in float32 (kvserve/weights/half.py). `gguf_blocks`: a GGUF's
+    quantized weights stay the file's blocks (memory-mapped, kvserve/weights/ggml.py) instead of
+    being dequantized to `dtype`; CPU only; `gguf_activations` "int8" (llama.cpp's arithmetic) or
+    "float" (the float model's products)."""
+    torch_dtype = compute_dtype(dtype, device)
     path = default_model_path() if model is None else Path(model).expanduser()
     if not path.exists():
         raise ModelLoadError(path, "no such file or folder (give a .gguf file or an HF folder with config.json)")
+    keep_16bit = False
     if path.is_dir():
         cfg = read_hf_config(path)
         quantized = read_quantization_config(path) is not None
         sparse = not quantized and read_sparsity_config(path) is not None
         sd = None if quantized or sparse else hf_state_dict(path, cfg)
+        keep_16bit = sd is not None and keeps_16bit(dtype, device, path, cfg)
         tok_file = path / "tokenizer.json"
     elif path.suffix == ".gguf" and gguf_blocks:
         if torch.device(device).type != "cpu":
@@ -151,5 +194,5 @@ def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "floa
         sd, modules = sparse_parts(path, cfg, torch_dtype)
     elif sd is None:  # a compressed-tensors folder (kvserve.loading.quantized)
         sd, modules = quantized_parts(path, cfg, torch_dtype)
-    net = build_model(cfg, sd, torch_dtype, device, path, modules=modules)
+    net = build_model(cfg, sd, torch_dtype, device, path, modules=modules, keep_16bit=keep_16bit)
     return LoadedModel(net, cfg, tokenizer, path)

@@ -82,8 +82,23 @@ def quantize_linear(weight: torch.Tensor, bias: torch.Tensor | None, quantizer: 
     w = weight.detach().float().contiguous()
     qw = quantizer.quantize_layer(w, stats)
     layer = QuantLinear.from_quantized(qw, bias, act_dtype=act_dtype, kernel=kernel)
-    mse = float((layer.dequantized_weight() - w).pow(2).mean())
-    return layer, mse
+    del qw  # its int32 codes: the size of w again
+    return layer, _weight_mse(layer, w)
+
+
+_MSE_ROWS_BYTES = 1 << 24  # fp32 bytes of dequantized rows compared at once
+
+
+def _weight_mse(layer: QuantLinear, w: torch.Tensor) -> float:
+    """Mean squared error of layer's dequantized weight against w [N, K], a chunk of rows at a
+    time (a whole LM head's fp32 temporaries are hundreds of MB at load time)."""
+    n, k = w.shape
+    step = max(1, _MSE_ROWS_BYTES // (4 * max(1, k)))
+    total = 0.0
+    for a in range(0, n, step):
+        rows = torch.arange(a, min(n, a + step))
+        total += float((layer.dequantized_rows(rows) - w[a:a + step]).double().pow(2).sum())
+    return total / max(1, w.numel())
 
 
 def quantize_blocks(model: nn.Module, quantizer: LayerQuantizer, spec: QuantSpec, method: str, *,
@@ -137,12 +152,43 @@ def quantize_blocks(model: nn.Module, quantizer: LayerQuantizer, spec: QuantSpec
 
 def rtn_quantize_model(model: nn.Module, bits: int, group_size: int = 128, *, granularity: str = "group",
                        sym: bool = False, lm_head: bool = False, embedding: bool = False,
-                       progress: bool = True) -> QuantizeReport:
+                       progress: bool = True, prepare: PrepareFn | None = None) -> QuantizeReport:
     """Round-to-nearest quantization of every block linear (and the head / embedding when asked),
-    in place, onto the bfloat16-activation int kernels."""
+    in place, onto the bfloat16-activation int kernels. `prepare(model, i)` runs before block i
+    is quantized (a streaming load places the block's float weights there)."""
     spec = QuantSpec(bits=bits, sym=sym, granularity=granularity, group_size=group_size, scale_dtype=torch.bfloat16)
     return quantize_blocks(model, RTNQuantizer(spec), spec, "rtn", lm_head=lm_head, embedding=embedding,
-                           progress=progress)
+                           progress=progress, prepare=prepare)
+
+
+ENGINE_KINDS = ("int8", "int4")
+ENGINE_INT4_GROUPS = (128, 64, 32)  # the largest that divides every layer's inputs is taken
+
+
+def engine_rtn_settings(kind: str, in_features: set[int], source: object) -> tuple[int, int]:
+    """(bits, group size) of EngineConfig.weights `kind` for layers of these input widths
+    (ValueError naming `source` when no int4 group size divides them all)."""
+    if kind not in ENGINE_KINDS:
+        raise ValueError(f"weights must be one of {ENGINE_KINDS} to quantize, got {kind!r}")
+    if kind == "int8":
+        return 8, 128
+    fits = [g for g in ENGINE_INT4_GROUPS if all(w % g == 0 for w in in_features)]
+    if not fits:
+        raise ValueError(f"weights 'int4': no group size of 128, 64 or 32 divides the layer widths "
+                         f"{sorted(in_features)} of {source}")
+    return 4, fits[0]
+
+
+def engine_quantize(model: nn.Module, kind: str, source: object = "the model",
+                    prepare: PrepareFn | None = None) -> QuantizeReport:
+    """EngineConfig.weights int8 / int4, in place: RTN of every linear, the LM head and the
+    embedding; int8 per output channel, symmetric; int4 asymmetric in the largest group of
+    ENGINE_INT4_GROUPS dividing every width. `model` may be a skeleton whose blocks `prepare`
+    places one at a time (its nn.Linear shapes are read before any is)."""
+    widths = {m.in_features for m in model.modules() if isinstance(m, nn.Linear)}
+    bits, group = engine_rtn_settings(kind, widths, source)
+    return rtn_quantize_model(model, bits, group, granularity="channel" if bits == 8 else "group", sym=bits == 8,
+                              lm_head=True, embedding=True, progress=False, prepare=prepare)
 
 
 def _quantize_embedding(model: nn.Module, tied: bool, spec: QuantSpec, quantizer: LayerQuantizer,

@@ -27,6 +27,7 @@ from kvserve.compress.quant.gptq import GPTQQuantizer
 from kvserve.model.base import stored_weight_bytes as model_weight_bytes  # noqa: F401  (the quant API name)
 from kvserve.weights.quantize import (  # noqa: F401  (the quant API)
     LayerReport,
+    PrepareFn,
     QuantizeReport,
     StatsFn,
     linear_layers,
@@ -68,6 +69,7 @@ def quantize_model(
     calibration: torch.Tensor | None = None,
     method_options: dict | None = None,
     progress: bool = True,
+    place_block: PrepareFn | None = None,
 ) -> QuantizeReport:
     """Quantize every nn.Linear inside `model.layers` (a CausalLM's blocks), in place.
 
@@ -81,7 +83,11 @@ def quantize_model(
     calibration: token windows [n, L] (kvserve.compress.quant.calibrate.load_calibration) for a calibrated
     method when no stats_fn is given. method_options: see `make_quantizer`.
     Peak extra memory is one layer's float copy: each block is replaced before the next.
+    place_block(model, i): places block i's float weights first (a streaming load,
+    kvserve/loading/streamed.py; RTN only: a calibrated method runs the whole model first).
     """
+    if place_block is not None and method != "rtn":
+        raise ValueError(f"place_block (a streaming load) needs method 'rtn', got {method!r}")
     act = act_dtype or torch.bfloat16
     # Scales rounded to the dtype the int4/int8 kernels store them in (see QuantSpec.scale_dtype).
     spec = QuantSpec(bits=bits, sym=sym, granularity=granularity, group_size=group_size,
@@ -100,6 +106,6 @@ def quantize_model(
             raise ValueError(f"method {method!r} needs calibration data (calibration windows or stats_fn)")
         if stats_fn is None and quantizer.needs_calibration:
             stats_fn = calibrator
-    before = None if prepare is None else (lambda m, i: prepare(m, i, calibrator))
+    before = place_block if prepare is None else (lambda m, i: prepare(m, i, calibrator))
     return quantize_blocks(model, quantizer, spec, method, act_dtype=act, kernel=kernel, skip=skip, lm_head=lm_head,
                            embedding=embedding, stats_fn=stats_fn, prepare=before, progress=progress)

@@ -58,9 +58,13 @@ def run(args: argparse.Namespace) -> int:
     if args.model_path and args.model and args.model_path != args.model:
         raise ValueError(f"two models given: {args.model_path!r} and --model {args.model!r}")
     try:
-        from kvserve.loading.quantized import save_quantized
+        from kvserve.loading.quantized import save_quantized  # noqa: F401  (checked here, used by _save)
     except ImportError:
         raise ValueError("saving needs kvserve.loading.quantized (save_quantized), which this checkout does not have") from None
+    if args.method == "rtn":  # read and quantized block by block: no fp32 copy of the model
+        streamed = _rtn_streamed(args)
+        if streamed is not None:
+            return _save(args, *streamed, None, None)
     loaded = load_model(args.model_path or args.model)
     options, calibration = {}, None
     if args.nsamples is None:
@@ -81,7 +85,39 @@ def run(args: argparse.Namespace) -> int:
                                 granularity=args.granularity, kernel=args.kernel, lm_head=args.quant_lm_head,
                                 embedding=args.quant_embedding,
                                 calibration=calibration, method_options=options)
-    seconds = time.perf_counter() - t0
+    return _save(args, loaded, report, time.perf_counter() - t0, calibration, trained)
+
+
+def _rtn_quantize(model, args: argparse.Namespace, place_block=None):
+    from kvserve.compress.quant.apply import quantize_model
+
+    return quantize_model(model, "rtn", bits=args.bits, group_size=args.group_size, sym=args.sym,
+                          granularity=args.granularity, kernel=args.kernel, lm_head=args.quant_lm_head,
+                          embedding=args.quant_embedding, place_block=place_block)
+
+
+def _rtn_streamed(args: argparse.Namespace):
+    """(model, report, seconds) of RTN applied block by block as the checkpoint is read
+    (kvserve/loading/streamed.py; the same folder as loading in fp32 first), or None where the
+    source cannot be streamed."""
+    from pathlib import Path
+
+    from kvserve.loading.loader import default_model_path
+    from kvserve.loading.streamed import stream_quantize
+
+    source = args.model_path or args.model
+    path = default_model_path() if source is None else Path(source).expanduser()
+    if not path.exists():
+        return None  # load_model names the problem
+    t0 = time.perf_counter()
+    out = stream_quantize(path, lambda model, place: _rtn_quantize(model, args, place))
+    return None if out is None else (*out, time.perf_counter() - t0)
+
+
+def _save(args: argparse.Namespace, loaded, report, seconds: float, calibration, trained) -> int:
+    """Write the quantized folder (and --json's report), print the summary."""
+    from kvserve.loading.quantized import save_quantized
+
     out = save_quantized(loaded, args.out)
     info = {**report.to_dict(), "calibration": None if calibration is None else
             {"nsamples": args.nsamples, "seqlen": args.calib_seqlen, "seed": args.seed}, "seconds": seconds,
