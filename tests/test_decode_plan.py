@@ -116,6 +116,26 @@ def test_plan_equals_the_python_path_on_llama_family(tmp_path, monkeypatch, kind
     assert _generate(llm, prompt) == got
 
 
+@pytest.mark.parametrize("kind, dtype", [("llama", torch.bfloat16), ("gemma3", torch.float16)])
+def test_plan_equals_the_python_path_on_16bit_weights(tmp_path, monkeypatch, kind, dtype):
+    """A bf16 / fp16 checkpoint under dtype auto: its matrices stay 16-bit (HalfLinear) and the
+    plan widens them in the same kernel the Python path calls."""
+    from kvserve.loading import load_model
+    from kvserve.weights.half import HalfLinear
+    from tests.tiny_models import make_model
+
+    make_model(kind, tmp_path).to(dtype).save_pretrained(tmp_path)
+    loaded = load_model(tmp_path, dtype="auto")
+    assert any(isinstance(m, HalfLinear) for m in loaded.model.modules())
+    spy = _Spy(monkeypatch)
+    llm = LLM(loaded=loaded, kv_cache_gib=0.01, block_size=4, max_num_seqs=1, enable_prefix_caching=False)
+    prompt = [2] + [(11 * j) % 300 + 3 for j in range(14)]
+    got = _generate(llm, prompt)
+    assert spy.runs == PARAMS.max_tokens - 1
+    spy.off = True
+    assert _generate(llm, prompt) == got
+
+
 def test_plan_equals_the_python_path_on_llama_gguf_blocks(tmp_path, monkeypatch):
     from tests.test_gguf_llama import _tiny_llama, write_llama_gguf
     from tests.tiny_models import write_tokenizer

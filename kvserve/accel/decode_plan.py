@@ -26,6 +26,7 @@ from kvserve.model.attention import AttentionMetadata, KVCache
 from kvserve.model.gemma3 import Gemma3DecoderLayer
 from kvserve.model.llama import LlamaDecoderLayer
 from kvserve.weights.ggml import GGMLLinear
+from kvserve.weights.half import HalfLinear
 from kvserve.weights.linear import QuantLinear
 from kvserve.weights.packing import cpu_int4_block_n
 
@@ -52,6 +53,7 @@ class _Layer(ctypes.Structure):
 class _Step(ctypes.Structure):
     _fields_ = [("panel_gemm", _P), ("int8_gemv", _P), ("int4_gemv", _P), ("rms_norm", _P), ("add_rms_norm", _P),
                 ("norm_rope_write", _P), ("paged_decode", _P), ("gated_act", _P), ("ggml_gemv", _P), ("ggml_q8", _P),
+                ("half_gemv", _P),
                 ("H", _I), ("KVH", _I), ("D", _I), ("hidden", _I), ("inter", _I), ("block_size", _I), ("threads", _I),
                 ("eps", _F), ("qk_eps", _F), ("scale", _F)]
 
@@ -60,7 +62,8 @@ _FUNCTIONS = {"panel_gemm": ("panel_gemm", "panel_gemm"), "int8_gemv": ("lowbit_
               "int4_gemv": ("lowbit_gemv", "int4_gemv"), "rms_norm": ("rms_norm", "rms_norm"),
               "add_rms_norm": ("rms_norm", "add_rms_norm"), "norm_rope_write": ("rope_cache", "norm_rope_write"),
               "paged_decode": ("paged_attention", "paged_decode"),
-              "ggml_gemv": ("ggml_blocks", "ggml_gemv"), "ggml_q8": ("ggml_int8", "ggml_q8_matmul")}
+              "ggml_gemv": ("ggml_blocks", "ggml_gemv"), "ggml_q8": ("ggml_int8", "ggml_q8_matmul"),
+              "half_gemv": ("half_gemv", "half_gemv")}
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -74,7 +77,8 @@ class _Unsupported(Exception):
 
 
 def _linear(module: nn.Module | None, panels, keep: list) -> _Lin:
-    """The C description of one projection: fp32 packed panels, or a QuantLinear on the C kernels."""
+    """The C description of one projection: fp32 packed panels, a QuantLinear on the C kernels,
+    GGUF blocks or 16-bit weights."""
     if panels is not None:  # a Panels object (accel/panels.py)
         if not panels.refresh():
             raise _Unsupported("weights no longer fp32 on the CPU")
@@ -93,6 +97,10 @@ def _linear(module: nn.Module | None, panels, keep: list) -> _Lin:
         keep.append((module, "raw", module.raw))
         return _Lin(4 if module.int8_path else 3, module.out_features, module.in_features, module.raw.data_ptr(),
                     None, 0, int(module.ggml_type), 0, module.raw.shape[1])
+    if type(module) is HalfLinear and module.bias is None:
+        keep.append((module, "weight", module.weight))
+        return _Lin(5, module.out_features, module.in_features, module.weight.data_ptr(), None,
+                    int(module.weight.dtype == torch.bfloat16), 0, 0)
     raise _Unsupported(f"projection {type(module).__name__} is not on the C kernels")
 
 

@@ -28,14 +28,15 @@ typedef int (*paged_decode_fn)(const void *, const void *, const void *, const i
                                const int32_t *, void *, int, int, int, int, int, int, int, float, int, int);
 typedef void (*gated_act_fn)(const float *, const float *, float *, int, int, int64_t, int);
 typedef int (*ggml_gemv_fn)(const float *, const uint8_t *, int, float *, int, int, int, int64_t, int);
+typedef void (*half_gemv_fn)(const float *, const uint16_t *, int, float *, int, int, int, int);
 
-enum { LIN_PANELS = 0, LIN_INT8 = 1, LIN_INT4 = 2, LIN_GGML = 3, LIN_GGML_Q8 = 4 }; /* Q8: int8 activations */
+enum { LIN_PANELS = 0, LIN_INT8 = 1, LIN_INT4 = 2, LIN_GGML = 3, LIN_GGML_Q8 = 4, LIN_HALF = 5 }; /* Q8: int8 activations */
 
 typedef struct {
     int kind, n, k;
-    const void *w;     /* packed panels [ceil(n / PW), k, PW] / int8 [n, k] / int4 tiles [n, k / 2] / GGUF blocks */
+    const void *w; /* packed panels [ceil(n / PW), k, PW] / int8 [n, k] / int4 tiles [n, k / 2] / GGUF blocks / 16-bit [n, k] */
     const void *scale; /* int8: fp32 [n]; int4: (s, z) table [k / group, n, 2]; panels, GGUF: unused */
-    int sz_bf16, group, block_n; /* GGUF: group = the ggml type */
+    int sz_bf16, group, block_n; /* GGUF: group = the ggml type; 16-bit: sz_bf16 1 for bf16, 0 for fp16 */
     int64_t row_bytes;           /* GGUF: bytes of one weight row */
 } Lin;
 
@@ -66,6 +67,7 @@ typedef struct {
     paged_decode_fn paged_decode;
     gated_act_fn gated_act; /* gelu_tanh_mul or silu_mul */
     ggml_gemv_fn ggml_gemv, ggml_q8;
+    half_gemv_fn half_gemv;
     int H, KVH, D, hidden, inter, block_size, threads;
     float eps, qk_eps, scale;
 } Step;
@@ -79,6 +81,7 @@ static int linear(const Step *s, const Lin *l, const float *x, float *y) {
                             s->threads);
     case LIN_GGML: return s->ggml_gemv(x, (const uint8_t *)l->w, l->group, y, 1, l->n, l->k, l->row_bytes, s->threads);
     case LIN_GGML_Q8: return s->ggml_q8(x, (const uint8_t *)l->w, l->group, y, 1, l->n, l->k, l->row_bytes, s->threads);
+    case LIN_HALF: s->half_gemv(x, (const uint16_t *)l->w, l->sz_bf16, y, 1, l->n, l->k, s->threads); return 0;
     default: return -1;
     }
 }

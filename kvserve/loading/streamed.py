@@ -36,7 +36,7 @@ from kvserve.loading.tensors import TensorFiles
 from kvserve.loading.tokenizer import Tokenizer
 from kvserve.model.base import CausalLM
 from kvserve.model.config import ModelConfig
-from kvserve.model.registry import model_class
+from kvserve.model.registry import empty_model
 from kvserve.weights.quantize import QuantizeReport, engine_quantize
 
 log = logging.getLogger(__name__)
@@ -73,8 +73,7 @@ def skeleton_with_ends(cfg: ModelConfig, files: TensorFiles, dtype: torch.dtype,
     """The model on the meta device, names and shapes checked against the files, its tensors
     outside the blocks placed (the embedding and head as stored: they are quantized from
     there; norms in `dtype`); and each block's tensor names, to place later."""
-    with torch.device("meta"):
-        model = model_class(cfg)(cfg)
+    model = empty_model(cfg)
     check_tensors(model, {n: files.shape(n) for n in files.names()}, source)
     blocks: dict[int, list[str]] = {}
     ends = {}
