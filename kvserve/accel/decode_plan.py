@@ -35,7 +35,7 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 class _Lin(ctypes.Structure):
     _fields_ = [("kind", _I), ("n", _I), ("k", _I), ("w", _P), ("scale", _P), ("sz_bf16", _I), ("group", _I),
-                ("block_n", _I), ("row_bytes", ctypes.c_int64)]
+                ("block_n", _I), ("row_bytes", ctypes.c_int64), ("order", _P)]
 
 
 class _Ctx(ctypes.Structure):
@@ -95,8 +95,11 @@ def _linear(module: nn.Module | None, panels, keep: list) -> _Lin:
                         cpu_int4_block_n())
     if isinstance(module, GGMLLinear) and module.bias is None:
         keep.append((module, "raw", module.raw))
+        order = module.out_order
+        if order is not None:
+            keep.append((module, "out_order", order))
         return _Lin(4 if module.int8_path else 3, module.out_features, module.in_features, module.raw.data_ptr(),
-                    None, 0, int(module.ggml_type), 0, module.raw.shape[1])
+                    None, 0, int(module.ggml_type), 0, module.raw.shape[1], None if order is None else order.data_ptr())
     if type(module) is HalfLinear and module.bias is None:
         keep.append((module, "weight", module.weight))
         return _Lin(5, module.out_features, module.in_features, module.weight.data_ptr(), None,

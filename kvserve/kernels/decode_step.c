@@ -38,6 +38,7 @@ typedef struct {
     const void *scale; /* int8: fp32 [n]; int4: (s, z) table [k / group, n, 2]; panels, GGUF: unused */
     int sz_bf16, group, block_n; /* GGUF: group = the ggml type; 16-bit: sz_bf16 1 for bf16, 0 for fp16 */
     int64_t row_bytes;           /* GGUF: bytes of one weight row */
+    const int64_t *order;        /* GGUF: output i is the file's row order[i] (NULL: in order) */
 } Lin;
 
 typedef struct { /* what a step's layers of one (KV group, window, rope table) share */
@@ -72,7 +73,7 @@ typedef struct {
     float eps, qk_eps, scale;
 } Step;
 
-static int linear(const Step *s, const Lin *l, const float *x, float *y) {
+static int linear_rows(const Step *s, const Lin *l, const float *x, float *y) {
     switch (l->kind) {
     case LIN_PANELS: s->panel_gemm(x, (const float *)l->w, y, 1, l->n, l->k, s->threads); return 0;
     case LIN_INT8: s->int8_gemv(x, (const int8_t *)l->w, (const float *)l->scale, y, 1, l->n, l->k, s->threads); return 0;
@@ -86,11 +87,20 @@ static int linear(const Step *s, const Lin *l, const float *x, float *y) {
     }
 }
 
+/* y [n] = W x, the outputs gathered into the model's order when the file's differs (`scratch`:
+ * room for n floats). */
+static int linear(const Step *s, const Lin *l, const float *x, float *y, float *scratch) {
+    if (!l->order) return linear_rows(s, l, x, y);
+    const int rc = linear_rows(s, l, x, scratch);
+    for (int j = 0; j < l->n; j++) y[j] = scratch[l->order[j]];
+    return rc;
+}
+
 /* Parts reading the same input, their outputs side by side in y. */
-static int linear_parts(const Step *s, const Lin *parts, int n_parts, const float *x, float *y) {
+static int linear_parts(const Step *s, const Lin *parts, int n_parts, const float *x, float *y, float *scratch) {
     int rc = 0;
     for (int j = 0; j < n_parts; j++) {
-        rc |= linear(s, parts + j, x, y);
+        rc |= linear(s, parts + j, x, y, scratch);
         y += parts[j].n;
     }
     return rc;
@@ -106,16 +116,18 @@ static void add(const float *a, const float *b, float *y, int n) {
 int decode_layers(const Step *s, const Layer *layers, const Ctx *ctxs, int L, float *h) {
     const int H = s->H, KVH = s->KVH, D = s->D, hid = s->hidden, inter = s->inter;
     const int qkv_n = (H + 2 * KVH) * D;
-    float *buf = malloc(sizeof(float) * ((size_t)3 * hid + qkv_n + 2 * (size_t)H * D + 3 * (size_t)inter));
+    size_t widest = (size_t)(2 * inter > qkv_n ? 2 * inter : qkv_n); /* scratch: any one output */
+    widest = widest > (size_t)hid ? widest : (size_t)hid;
+    float *buf = malloc(sizeof(float) * ((size_t)3 * hid + qkv_n + 2 * (size_t)H * D + 3 * (size_t)inter + widest));
     if (!buf) return -1;
     float *x = buf, *h2 = x + hid, *o = h2 + hid, *qkv = o + hid, *q = qkv + qkv_n, *att = q + H * D,
-          *gu = att + H * D, *act = gu + 2 * inter;
+          *gu = att + H * D, *act = gu + 2 * inter, *scratch = act + inter;
     int rc = 0;
     for (int i = 0; i < L && rc == 0; i++) {
         const Layer *ly = layers + i;
         const Ctx *c = ctxs + ly->ctx;
         s->rms_norm(h, ly->g_in, x, 1, hid, s->eps, s->threads);
-        rc |= linear_parts(s, ly->qkv, ly->n_qkv, x, qkv);
+        rc |= linear_parts(s, ly->qkv, ly->n_qkv, x, qkv, scratch);
         s->norm_rope_write(qkv, H * D, qkv + H * D, KVH * D, qkv + (H + KVH) * D, KVH * D, 1, H, KVH, D, ly->g_q,
                            ly->g_k, s->qk_eps, c->cos, c->sin, c->slot, ly->k_pool, ly->v_pool, q, s->threads);
         /* the kernel's own split rule (kvserve.kernels.paged_decode_attention, max_len = len) */
@@ -124,16 +136,16 @@ int decode_layers(const Step *s, const Layer *layers, const Ctx *ctxs, int L, fl
         splits = splits < 1 ? 1 : splits;
         rc |= s->paged_decode(q, ly->k_pool, ly->v_pool, c->table, c->start, c->len, att, 1, H, KVH, D, s->block_size,
                               c->max_blocks, splits, s->scale, s->threads, 0);
-        rc |= linear(s, &ly->o, att, o);
+        rc |= linear(s, &ly->o, att, o, scratch);
         if (ly->g_post_attn) {
             s->add_rms_norm(o, ly->g_post_attn, h, h2, ly->g_pre_ff, x, 1, hid, s->eps, s->threads);
         } else {
             add(h, o, h2, hid); /* torch's h + a: one rounding per element, the same sum */
             s->rms_norm(h2, ly->g_pre_ff, x, 1, hid, s->eps, s->threads);
         }
-        rc |= linear_parts(s, ly->gate_up, ly->n_gate_up, x, gu);
+        rc |= linear_parts(s, ly->gate_up, ly->n_gate_up, x, gu, scratch);
         s->gated_act(gu, gu + inter, act, 1, inter, 2 * inter, s->threads);
-        rc |= linear(s, &ly->down, act, o);
+        rc |= linear(s, &ly->down, act, o, scratch);
         if (ly->g_post_ff)
             s->add_rms_norm(o, ly->g_post_ff, h2, h, NULL, NULL, 1, hid, s->eps, s->threads);
         else

@@ -300,10 +300,12 @@ def load_gguf_blocks(path: Path, dtype: torch.dtype, activations: str = "int8"
             raw = torch.from_numpy(data).view(n, row_bytes(t["type"], k))
         except (ValueError, RuntimeError) as e:
             raise ModelLoadError(path, f"tensor {t['name']!r}: {e}") from None
+        order = None
         if cfg.family == "llama" and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
             heads = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
-            raw = _unpermute_rope(raw, heads).contiguous()  # whole rows move: the blocks are unchanged
-        modules[name.removesuffix(".weight")] = GGMLLinear(raw, t["type"], k, n, activations=activations)
+            order = torch.from_numpy(_unpermute_rope(np.arange(n, dtype=np.int64), heads).copy())
+        modules[name.removesuffix(".weight")] = GGMLLinear(raw, t["type"], k, n, activations=activations,
+                                                           out_order=order)
     table = modules.pop("embed_tokens", None)
     if table is None:
         raise ModelLoadError(path, "no token_embd tensor")

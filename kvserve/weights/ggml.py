@@ -51,10 +51,16 @@ def row_bytes(ggml_type: int, in_features: int) -> int:
 
 
 class GGMLLinear(nn.Module):
-    """y = x @ W^T (+ bias) with W held as GGUF blocks: `raw` uint8 [out_features, row bytes]."""
+    """y = x @ W^T (+ bias) with W held as GGUF blocks: `raw` uint8 [out_features, row bytes].
+
+    `out_order` (int64 [out_features], optional): output i is the file's row out_order[i], for a
+    file that stores the rows in another order than the model reads them (llama.cpp's Llama q / k
+    rows, each head's rotary halves interleaved): the outputs are gathered after each product
+    instead of the weight being copied in the model's order (a copy would sit in memory beside
+    the mapped file pages it was read from)."""
 
     def __init__(self, raw: torch.Tensor, ggml_type: int, in_features: int, out_features: int,
-                 bias: torch.Tensor | None = None, activations: str = "int8"):
+                 bias: torch.Tensor | None = None, activations: str = "int8", out_order: torch.Tensor | None = None):
         super().__init__()
         if activations not in ACTIVATIONS:
             raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
@@ -68,8 +74,12 @@ class GGMLLinear(nn.Module):
                              f"{tuple(raw.shape)}")
         self.ggml_type, self.activations = ggml_type, activations
         self.in_features, self.out_features = in_features, out_features
+        if out_order is not None and (out_order.dtype != torch.int64 or tuple(out_order.shape) != (out_features,)):
+            raise ValueError(f"out_order must be int64 of shape ({out_features},), got {out_order.dtype} "
+                             f"{tuple(out_order.shape)}")
         self.register_buffer("raw", raw)
         self.register_buffer("bias", bias)
+        self.register_buffer("out_order", out_order)
 
     @property
     def int8_path(self) -> bool:
@@ -85,7 +95,9 @@ class GGMLLinear(nn.Module):
                 f"activations={self.activations}")
 
     def dequantized_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """Weight rows `rows` (int64 [n]) in fp32 [n, in_features]."""
+        """Weight rows `rows` (int64 [n], the model's order) in fp32 [n, in_features]."""
+        if self.out_order is not None:
+            rows = self.out_order.index_select(0, rows.to(torch.int64))
         out = kernels.ggml_dequant(self.raw, int(self.ggml_type), self.in_features, rows)
         if out is None:
             picked = self.raw.index_select(0, rows.to(torch.int64)).numpy()
@@ -106,6 +118,8 @@ class GGMLLinear(nn.Module):
             y = kernels.ggml_gemv(x2.float(), self.raw, int(self.ggml_type), self.out_features)
         if y is None:
             y = self._dequantized_matmul(x2.float())
+        elif self.out_order is not None:  # (the dequantized path reads rows in the model's order)
+            y = y.index_select(1, self.out_order)
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
