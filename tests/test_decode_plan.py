@@ -35,16 +35,23 @@ def _generate(llm: LLM, prompt) -> tuple[list[int], list[float]]:
     return out.token_ids, out.logprobs
 
 
+def _plan_equals_python_path(llm: LLM, prompt, spy: _Spy) -> tuple[list[int], list[float]]:
+    """Greedy tokens and log-probabilities with the plan on every decode step, then bitwise the
+    same with every step on the Python path; returns them."""
+    got = _generate(llm, prompt)
+    assert spy.runs == PARAMS.max_tokens - 1  # every decode step (the first token comes from the prefill)
+    spy.off = True
+    assert _generate(llm, prompt) == got  # bitwise
+    assert spy.runs == PARAMS.max_tokens - 1
+    spy.off = False
+    return got
+
+
 @pytest.mark.parametrize("weights", ["float", "int8", "int4"])
 def test_plan_equals_the_python_path_on_gemma(gemma, monkeypatch, weights):
     spy = _Spy(monkeypatch)
     llm = LLM(loaded=gemma, weights=weights, kv_cache_gib=0.25, max_num_seqs=1, enable_prefix_caching=False)
-    prompt = "The history of the printing press begins"
-    got = _generate(llm, prompt)
-    assert spy.runs == PARAMS.max_tokens - 1  # every decode step (the first token comes from the prefill)
-    spy.off = True
-    assert _generate(llm, prompt) == got  # tokens and log-probabilities, bitwise
-    assert spy.runs == PARAMS.max_tokens - 1
+    _plan_equals_python_path(llm, "The history of the printing press begins", spy)
 
 
 @pytest.mark.parametrize("activations", ["int8", "float"])
@@ -55,11 +62,7 @@ def test_plan_equals_the_python_path_on_gguf_blocks(gemma_path, monkeypatch, act
     llm = LLM(model=str(gemma_path), weights="gguf", gguf_activations=activations, kv_cache_gib=0.25,
               max_num_seqs=1, enable_prefix_caching=False)
     prompt = "The history of the printing press begins"
-    got = _generate(llm, prompt)
-    assert spy.runs == PARAMS.max_tokens - 1
-    spy.off = True
-    assert _generate(llm, prompt) == got
-    assert spy.runs == PARAMS.max_tokens - 1
+    _plan_equals_python_path(llm, prompt, spy)
 
 
 @pytest.fixture(scope="module")
@@ -78,10 +81,7 @@ def test_plan_follows_sliding_windows_and_rebuilds_after_changes(tiny_gemma3, mo
     llm = LLM(loaded=tiny_gemma3, kv_cache_gib=0.01, block_size=4, max_num_seqs=1, enable_prefix_caching=False,
               sliding_window_release=release)
     prompt = [2] + [(7 * j) % 300 + 3 for j in range(30)]  # past the window of 8: windows slide every step
-    got = _generate(llm, prompt)
-    assert spy.runs == PARAMS.max_tokens - 1
-    spy.off = True
-    assert _generate(llm, prompt) == got
+    got = _plan_equals_python_path(llm, prompt, spy)
 
     model = llm.engine.loaded.model
     plan = plan_for(model, llm.engine.runner.kv_cache)
@@ -90,7 +90,6 @@ def test_plan_follows_sliding_windows_and_rebuilds_after_changes(tiny_gemma3, mo
         model.layers[3].pre_feedforward_layernorm.weight.add_(0.5)  # in place: the packed gains go stale
         model.layers[1].mlp.down_proj.weight.mul_(-1.0)  # and a packed projection
     assert not plan.current()
-    spy.off = False
     changed = _generate(llm, prompt)
     assert plan_for(model, llm.engine.runner.kv_cache) is not plan  # rebuilt
     spy.off = True
@@ -110,10 +109,7 @@ def test_plan_equals_the_python_path_on_llama_family(tmp_path, monkeypatch, kind
     llm = LLM(loaded=load_model(tmp_path / kind), weights=weights, kv_cache_gib=0.01, block_size=4, max_num_seqs=1,
               enable_prefix_caching=False)
     prompt = [2] + [(5 * j) % 300 + 3 for j in range(20)]  # past Mistral's window of 12
-    got = _generate(llm, prompt)
-    assert spy.runs == PARAMS.max_tokens - 1
-    spy.off = True
-    assert _generate(llm, prompt) == got
+    _plan_equals_python_path(llm, prompt, spy)
 
 
 @pytest.mark.parametrize("kind, dtype", [("llama", torch.bfloat16), ("gemma3", torch.float16)])
@@ -130,10 +126,7 @@ def test_plan_equals_the_python_path_on_16bit_weights(tmp_path, monkeypatch, kin
     spy = _Spy(monkeypatch)
     llm = LLM(loaded=loaded, kv_cache_gib=0.01, block_size=4, max_num_seqs=1, enable_prefix_caching=False)
     prompt = [2] + [(11 * j) % 300 + 3 for j in range(14)]
-    got = _generate(llm, prompt)
-    assert spy.runs == PARAMS.max_tokens - 1
-    spy.off = True
-    assert _generate(llm, prompt) == got
+    _plan_equals_python_path(llm, prompt, spy)
 
 
 def test_plan_equals_the_python_path_on_llama_gguf_blocks(tmp_path, monkeypatch):
@@ -146,10 +139,7 @@ def test_plan_equals_the_python_path_on_llama_gguf_blocks(tmp_path, monkeypatch)
     spy = _Spy(monkeypatch)
     llm = LLM(model=str(path), weights="gguf", kv_cache_gib=0.01, max_num_seqs=1, enable_prefix_caching=False)
     prompt = [2] + [(3 * j) % 300 + 3 for j in range(12)]
-    got = _generate(llm, prompt)
-    assert spy.runs == PARAMS.max_tokens - 1
-    spy.off = True
-    assert _generate(llm, prompt) == got
+    _plan_equals_python_path(llm, prompt, spy)
 
 
 def test_models_the_loop_does_not_run_take_the_python_path(tiny_gemma3, tmp_path):

@@ -19,7 +19,7 @@
 #include <immintrin.h>
 #define HALF_AVX512 1
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
+#include "vec_sum.h"
 #define HALF_AVX2 1
 #endif
 
@@ -82,12 +82,7 @@ static inline vf load_w(const uint16_t *p, int bf16) {
 #define LOAD_F _mm256_loadu_ps
 #define ZERO_F _mm256_setzero_ps
 #define ADD_F _mm256_add_ps
-static inline float hsum(vf v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+static inline float hsum(vf v) { return hsum256(v); }
 #endif
 
 /* out[r] = sum_k x[r * K + k] wr[k] for `rows` (1..ROW_GROUP, a constant once inlined) rows.

@@ -26,7 +26,7 @@
 #include <immintrin.h>
 #define LOWBIT_AVX512 1
 #elif defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
+#include "vec_sum.h"
 #define LOWBIT_AVX2 1
 #endif
 
@@ -46,12 +46,6 @@ static inline __m512 cvt8(const int8_t *p) { /* 16 int8 -> 16 fp32 */
 #elif defined(LOWBIT_AVX2)
 static inline __m256 cvt8(const int8_t *p) { /* 8 int8 -> 8 fp32 */
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-}
-static inline float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
 }
 #endif
 
