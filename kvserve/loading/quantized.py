@@ -66,7 +66,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from kvserve.loading import ct_format as ct
@@ -81,6 +80,7 @@ from kvserve.loading.save import (
     unpack_loaded,
     write_folder,
 )
+from kvserve.loading.tensors import TensorFiles
 from kvserve.model.registry import empty_model
 from kvserve.weights.embedding import QuantEmbedding
 from kvserve.weights.linear import QuantLinear
@@ -207,39 +207,26 @@ def read_quantization_config(folder: Path) -> dict | None:
 
 
 class _Tensors:
-    """Lazy access to the folder's safetensors files by tensor name, errors naming the file."""
+    """The folder's tensors by stored name (a TensorFiles, kvserve/loading/tensors.py), remembering
+    which were read; a missing one is an error naming the file it was looked for in."""
 
     def __init__(self, folder: Path):
-        self.where: dict[str, Path] = {}
-        self.handles = {}
-        for f in safetensors_files(folder):
-            try:
-                h = safe_open(str(f), framework="pt")
-                keys = list(h.keys())
-            except Exception as e:
-                raise ModelLoadError(f, f"not a readable safetensors file ({e})") from None
-            self.handles[f] = h
-            for k in keys:
-                self.where[k] = f
+        self.files = TensorFiles(safetensors_files(folder))
+        self.where = set(self.files.names())
         self.used: set[str] = set()
-        self.hint = next(iter(self.handles), folder / WEIGHTS_FILE)
+        self.hint = next(iter(safetensors_files(folder)), folder / WEIGHTS_FILE)
 
     def has(self, name: str) -> bool:
         return name in self.where
 
     def file(self, name: str) -> Path:
-        return self.where.get(name, self.hint)
+        return self.files.file(name) if name in self.where else self.hint
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self.where:
             raise ModelLoadError(self.hint, f"tensor {name!r} is missing")
-        f = self.where[name]
-        try:
-            t = self.handles[f].get_tensor(name)
-        except Exception as e:
-            raise ModelLoadError(f, f"cannot read tensor {name!r} ({e})") from None
         self.used.add(name)
-        return t
+        return self.files.get(name)
 
 
 def _candidates(cfg) -> list[tuple[str, str]]:

@@ -1,7 +1,7 @@
 """`load_quantized_streaming`: EngineConfig.weights int8 / int4 without ever holding the float
 model. The model is built on the meta device; its embedding, final norm and head are read, then
-block by block the block's tensors are read from the memory-mapped safetensors files, placed in
-fp32 and RTN-quantized (kvserve/weights/quantize.py `engine_quantize`) before the next block is
+block by block the block's tensors are read from the safetensors files (plain reads, see
+kvserve/loading/tensors.py), placed in fp32 and RTN-quantized (kvserve/weights/quantize.py `engine_quantize`) before the next block is
 read. The peak is the quantized model plus one block's fp32 weights plus the float embedding and
 head (kept as stored, bf16 for a bf16 checkpoint, until they are quantized last), instead of the
 whole fp32 model. The result is bit for bit that of loading in fp32 and quantizing

@@ -61,6 +61,10 @@ class TensorFiles:
     def names(self) -> list[str]:
         return list(self._where)
 
+    def file(self, name: str) -> Path:
+        """The file holding `name`."""
+        return self._where[name][0]
+
     def shape(self, name: str) -> tuple[int, ...]:
         f, key = self._where[name]
         return tuple(self._handles[f].get_slice(key).get_shape())
