@@ -91,7 +91,7 @@ def activation_rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("t", INT8_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 5, 12, 14, 70])
 def test_int8_activation_products_stay_within_the_activations_rounding(t, rows):
-    k = 2 * _cols(t) if t not in (T.Q4_0, T.Q5_0, T.Q8_0) else 96  # 96: an odd count of 32-value blocks
+    k = 2 * _cols(t) if t not in (T.Q4_0, T.Q5_0, T.Q8_0) else 224  # 7 blocks: four at a time (Q4_0 / Q5_0), a pair, an odd one
     layer = GGMLLinear(torch.from_numpy(random_blocks(t, 40, k, seed=2)), t, k, 40)
     assert layer.int8_path
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))

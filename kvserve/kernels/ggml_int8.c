@@ -221,15 +221,12 @@ static inline __m256i codes1(int t, const uint8_t *b) {
     return u;
 }
 
-/* Rows r < R of y[r] = x_r . row for the 32-value types; R is a constant where inlined. */
-static inline __attribute__((always_inline)) void rows_b32(int t, const uint8_t *row, const XRow *x, const int R,
-                                                           int K, float *y) {
-    const int bb = block_bytes(t), nb = K / 32;
-    const float offset = t == T_Q8_0 ? 128.f : t == T_Q5_0 ? 16.f : 8.f;
-    __m512 acc[TILE];
-    __m128 off[TILE];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), off[r] = _mm_setzero_ps();
-    int i = 0;
+/* Blocks i0 .. nb - 1 of a row of a 32-value type into acc / off (per x row: the scaled integer
+ * dots, and the weight scale times the codes' sum) two at a time, then the odd one. */
+static inline __attribute__((always_inline)) void b32_blocks(int t, const uint8_t *row, const XRow *x, const int R,
+                                                             int i0, int nb, __m512 *acc, __m128 *off) {
+    const int bb = block_bytes(t);
+    int i = i0;
     for (; i + 1 < nb; i += 2) {
         const uint8_t *b0 = row + (size_t)i * bb, *b1 = b0 + bb;
         const __m512i u = codes2(t, b0, b1);
@@ -252,10 +249,84 @@ static inline __attribute__((always_inline)) void rows_b32(int t, const uint8_t 
             off[r] = _mm_fmadd_ps(_mm_set_ss(dw), _mm_load_ss(x[r].s32 + i), off[r]);
         }
     }
-    for (int r = 0; r < R; r++) {
-        const __m128 o = _mm_add_ps(off[r], _mm_movehdup_ps(off[r])); /* lane 0: off0 + off1 */
-        y[r] = _mm512_reduce_add_ps(acc[r]) - offset * _mm_cvtss_f32(o);
+}
+
+static inline float b32_result(int t, __m512 acc, __m128 off) {
+    const float offset = t == T_Q8_0 ? 128.f : t == T_Q5_0 ? 16.f : 8.f;
+    const __m128 o2 = _mm_add_ps(off, _mm_movehl_ps(off, off));
+    return _mm512_reduce_add_ps(acc) - offset * _mm_cvtss_f32(_mm_add_ss(o2, _mm_movehdup_ps(o2)));
+}
+
+/* Rows r < R of y[r] = x_r . row for Q8_0; R is a constant where inlined. */
+static inline __attribute__((always_inline)) void rows_b32(int t, const uint8_t *row, const XRow *x, const int R,
+                                                           int K, float *y) {
+    __m512 acc[TILE];
+    __m128 off[TILE];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), off[r] = _mm_setzero_ps();
+    b32_blocks(t, row, x, R, 0, K / 32, acc, off);
+    for (int r = 0; r < R; r++) y[r] = b32_result(t, acc[r], off[r]);
+}
+
+/* x codes reordered for rows_nib4: per 128 values (4 blocks), values 0-15 of each block, then
+ * values 16-31 of each, the order in which the file's 16 bytes of nibbles per block hold them. */
+static void reorder_nib4(int8_t *q, int K) {
+    int8_t tmp[128];
+    for (int g = 0; g + 128 <= K; g += 128) {
+        for (int k = 0; k < 4; k++) {
+            memcpy(tmp + 16 * k, q + g + 32 * k, 16);
+            memcpy(tmp + 64 + 16 * k, q + g + 32 * k + 16, 16);
+        }
+        memcpy(q + g, tmp, 128);
     }
+}
+
+/* Q4_0 / Q5_0, four blocks per step against x codes in reorder_nib4's order: lane k of `lo` is
+ * values 0-15 of block i + k and of `hi` values 16-31, straight from the nibbles (no shuffles),
+ * and both multiply into one int32 vector whose lane k is block i + k's dot. Per byte of weights
+ * about 2.5x fewer instructions than two blocks per step, which bounded Q4_0 decode per thread
+ * below the memory's rate. The blocks past the last whole four stay in x's natural order. */
+static inline __attribute__((always_inline)) void rows_nib4(int t, const uint8_t *row, const XRow *x, const int R,
+                                                            int K, float *y) {
+    const int bb = block_bytes(t), nb = K / 32, qoff = t == T_Q5_0 ? 6 : 2;
+    const __m512i low4 = _mm512_set1_epi8(0x0f), sixteen = _mm512_set1_epi8(16);
+    const __m512i lanes = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    __m512 acc[TILE];
+    __m128 off[TILE];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), off[r] = _mm_setzero_ps();
+    int i = 0;
+    for (; i + 3 < nb; i += 4) {
+        const uint8_t *b = row + (size_t)i * bb;
+        __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(b + qoff)));
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b + bb + qoff)), 1);
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b + 2 * bb + qoff)), 2);
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b + 3 * bb + qoff)), 3);
+        __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        uint64_t d4 = 0;
+        __mmask64 hlo = 0, hhi = 0;
+        for (int k = 0; k < 4; k++) {
+            uint16_t d;
+            memcpy(&d, b + k * bb, 2);
+            d4 |= (uint64_t)d << (16 * k);
+            if (t == T_Q5_0) { /* bit j of qh: the fifth bit of value j */
+                uint32_t h;
+                memcpy(&h, b + k * bb + 2, 4);
+                hlo |= (__mmask64)(h & 0xffff) << (16 * k);
+                hhi |= (__mmask64)(h >> 16) << (16 * k);
+            }
+        }
+        if (t == T_Q5_0) lo = _mm512_mask_add_epi8(lo, hlo, lo, sixteen), hi = _mm512_mask_add_epi8(hi, hhi, hi, sixteen);
+        const __m128 dw = _mm_cvtph_ps(_mm_cvtsi64_si128((long long)d4));
+        for (int r = 0; r < R; r++) {
+            const int8_t *q = x[r].q + 32 * i;
+            __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void *)q));
+            dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512((const void *)(q + 64)));
+            const __m512 s = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_mul_ps(dw, _mm_loadu_ps(x[r].d32 + i))));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[r]);
+            off[r] = _mm_fmadd_ps(dw, _mm_loadu_ps(x[r].s32 + i), off[r]);
+        }
+    }
+    b32_blocks(t, row, x, R, i, nb, acc, off);
+    for (int r = 0; r < R; r++) y[r] = b32_result(t, acc[r], off[r]);
 }
 
 /* A Q4_K / Q5_K block's 8 scales and 8 mins (6 bits each, packed in 12 bytes) as bytes. */
@@ -378,8 +449,10 @@ static void dot_rows(int t, const uint8_t *row, const XRow *x, int R, int K, flo
         FOR_R(rows_k45(t, row, x, R_, K, y))
     } else if (t == T_Q6_K) {
         FOR_R(rows_q6_k(row, x, R_, K, y))
-    } else {
+    } else if (t == T_Q8_0) {
         FOR_R(rows_b32(t, row, x, R_, K, y))
+    } else {
+        FOR_R(rows_nib4(t, row, x, R_, K, y))
     }
 }
 
@@ -612,6 +685,8 @@ int ggml_q8_matmul(const float *x, const uint8_t *w, int t, float *y, int M, int
         free(xr);
         return rc;
     }
+    if (t == T_Q4_0 || t == T_Q5_0)
+        for (int m = 0; m < M; m++) reorder_nib4((int8_t *)xr[m].q, K);
 #endif
     for (int m0 = 0; m0 < M; m0 += MCHUNK) {
         const int mc = M - m0 < MCHUNK ? M - m0 : MCHUNK;
