@@ -375,30 +375,58 @@ static inline __attribute__((always_inline)) void q6k_codes(const uint8_t *b, __
     }
 }
 
-/* Q4_K / Q5_K: 4 chunks of 64 values, sub-blocks 2c (bytes 0-31) and 2c + 1 (bytes 32-63). */
+/* x codes reordered for rows_k45: per 256 values (a block), for c = 0..3 the values 8c .. 8c + 7
+ * of each of the 8 sub-blocks in turn. */
+static void reorder_k45(int8_t *q, int K) {
+    int8_t tmp[256];
+    for (int g = 0; g + 256 <= K; g += 256) {
+        for (int c = 0; c < 4; c++)
+            for (int j = 0; j < 8; j++) memcpy(tmp + 64 * c + 8 * j, q + g + 32 * j + 8 * c, 8);
+        memcpy(q + g, tmp, 256);
+    }
+}
+
+/* Q4_K / Q5_K against x codes in reorder_k45's order: 64-bit word j of every code vector holds 8
+ * values of sub-block j, so the four vectors' integer dots add up per sub-block in one int32
+ * vector (lanes 2j, 2j + 1) and a block costs one conversion and one multiply-add per x row,
+ * against four of each with the sub-blocks in chunks; about 1.3x the rate per thread. */
 static inline __attribute__((always_inline)) void rows_k45(int t, const uint8_t *row, const XRow *x, const int R,
                                                            int K, float *y) {
     const int bb = block_bytes(t);
+    const __m512i low4 = _mm512_set1_epi8(0x0f), sixteen = _mm512_set1_epi8(16);
+    const __m512i odd4 = _mm512_set_epi64(SH4, 0, SH4, 0, SH4, 0, SH4, 0);
+    const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i bit_j = _mm512_set_epi64((long long)0x8080808080808080ULL, 0x4040404040404040LL, 0x2020202020202020LL,
+                                           0x1010101010101010LL, 0x0808080808080808LL, 0x0404040404040404LL,
+                                           0x0202020202020202LL, 0x0101010101010101LL);
     __m512 acc[TILE];
     __m256 mins[TILE];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), mins[r] = _mm256_setzero_ps();
     for (int i = 0; i < K / 256; i++) {
-        const uint8_t *b = row + (size_t)i * bb;
+        const uint8_t *b = row + (size_t)i * bb, *qs = b + (t == T_Q5_K ? 48 : 16);
         uint64_t sc8, mn8;
         k4_scales(b + 4, &sc8, &mn8);
         const __m256 sc = bytes8_ps(sc8, f16(b)), mn = bytes8_ps(mn8, f16(b + 2));
+        /* word 4p + c of the 128 code bytes: values 8c .. 8c + 7 of sub-blocks 2p (low nibbles)
+         * and 2p + 1 (high) */
+        const __m512i w0 = _mm512_loadu_si512((const void *)qs), w1 = _mm512_loadu_si512((const void *)(qs + 64));
         __m512i u[4];
-        k45_codes(t, b, u);
-        for (int r = 0; r < R; r++) {
-            const __m512 s = _mm512_castps256_ps512(_mm256_mul_ps(sc, _mm256_loadu_ps(x[r].d32 + 8 * i)));
-            const int8_t *q = x[r].q + 256 * i;
-            for (int c = 0; c < 4; c++) {
-                const __m512i idx = _mm512_set_epi32(2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1,
-                                                     2 * c + 1, 2 * c + 1, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c,
-                                                     2 * c, 2 * c);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(vdot(u[c], q + 64 * c)), _mm512_permutexvar_ps(idx, s),
-                                         acc[r]);
+        for (int c = 0; c < 4; c++) {
+            const __m512i idx = _mm512_set_epi64(12 + c, 12 + c, 8 + c, 8 + c, 4 + c, 4 + c, c, c);
+            u[c] = _mm512_and_si512(_mm512_srlv_epi16(_mm512_permutex2var_epi64(w0, idx, w1), odd4), low4);
+            if (t == T_Q5_K) { /* bit j of qh[l]: the fifth bit of sub-block j's value l */
+                uint64_t h;
+                memcpy(&h, b + 16 + 8 * c, 8);
+                u[c] = _mm512_mask_add_epi8(u[c], _mm512_test_epi8_mask(_mm512_set1_epi64((long long)h), bit_j), u[c],
+                                            sixteen);
             }
+        }
+        for (int r = 0; r < R; r++) {
+            const int8_t *q = x[r].q + 256 * i;
+            __m512i dot = _mm512_setzero_si512();
+            for (int c = 0; c < 4; c++) dot = _mm512_dpbusd_epi32(dot, u[c], _mm512_loadu_si512((const void *)(q + 64 * c)));
+            const __m512 s = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_mul_ps(sc, _mm256_loadu_ps(x[r].d32 + 8 * i))));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[r]);
             mins[r] = _mm256_fmadd_ps(mn, _mm256_loadu_ps(x[r].s32 + 8 * i), mins[r]);
         }
     }
@@ -685,8 +713,10 @@ int ggml_q8_matmul(const float *x, const uint8_t *w, int t, float *y, int M, int
         free(xr);
         return rc;
     }
-    if (t == T_Q4_0 || t == T_Q5_0)
-        for (int m = 0; m < M; m++) reorder_nib4((int8_t *)xr[m].q, K);
+    for (int m = 0; m < M; m++) { /* the row kernels' orders of x's codes */
+        if (t == T_Q4_0 || t == T_Q5_0) reorder_nib4((int8_t *)xr[m].q, K);
+        if (t == T_Q4_K || t == T_Q5_K) reorder_k45((int8_t *)xr[m].q, K);
+    }
 #endif
     for (int m0 = 0; m0 < M; m0 += MCHUNK) {
         const int mc = M - m0 < MCHUNK ? M - m0 : MCHUNK;
