@@ -150,6 +150,9 @@ def _add_serve_parser(sub) -> None:
     lim.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
                      help="seconds from arrival after which a request finishes with finish_reason 'length' "
                           "(%(default)s)")
+    lim.add_argument("--strict-requests", action="store_true",
+                     help="refuse a request field that is not an OpenAI or kvserve parameter with a 400 naming it "
+                          "(default: ignore it and log a warning naming it, as vLLM does)")
     srv.add_argument("--max-stream-backlog", type=positive_int, default=DEFAULT_MAX_UNREAD_TOKENS,
                      help="output tokens of one sample a streaming client may leave unread before its request "
                           "is aborted and its KV blocks freed (%(default)s)")
@@ -429,7 +432,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                              max_json_depth=args.max_json_depth,
                                              max_request_seqs=args.max_request_seqs,
                                              max_tokens_default=args.max_tokens_default,
-                                             request_timeout=args.request_timeout),
+                                             request_timeout=args.request_timeout,
+                                             strict_requests=args.strict_requests),
                         **server_limits)
     return serve(config, opts)
 
