@@ -11,7 +11,7 @@ import pytest
 
 from kvserve.loading import load_model
 from kvserve.loading.hf import read_hf_config
-from kvserve.server.chat_template import (
+from kvserve.loading.chat_template import (
     DEFAULT_TEMPLATE,
     ChatTemplate,
     ChatTemplateError,

@@ -20,7 +20,7 @@ from kvserve.engine.async_engine import AsyncLLMEngine
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.server.body import parse_body
 from kvserve.server.chat import create_chat_completion
-from kvserve.server.chat_template import chat_template_for
+from kvserve.loading.chat_template import chat_template_for
 from kvserve.server.completions import create_completion
 from kvserve.server.errors import APIError, error_body, install_handlers
 from kvserve.server.gateway import Gateway

@@ -15,7 +15,7 @@ from starlette.responses import Response
 
 from kvserve.engine.async_engine import RequestError, RequestStream
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
-from kvserve.server.chat_template import ChatTemplateError
+from kvserve.loading.chat_template import ChatTemplateError
 from kvserve.server.errors import APIError, error_body, from_request_error
 from kvserve.server.logprobs import chat_logprobs, delta_logprobs
 from kvserve.server.params import check_context, sampling_params
