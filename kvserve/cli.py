@@ -118,6 +118,9 @@ def _add_serve_parser(sub) -> None:
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
+    srv.add_argument("--chat-template", default=None, metavar="FILE",
+                     help="chats render with this Jinja template (a file, or the template itself) instead of the "
+                          "model's own")
     srv.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer KEY' on /v1 routes (visible in ps: prefer the next two)")
     srv.add_argument("--api-key-file", default=None, help="the API key from the first line of this file")
@@ -427,6 +430,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         max_stream_backlog=args.max_stream_backlog,
                         allowed_hosts=None if args.allowed_hosts is None else args.allowed_hosts.split(","),
                         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
+                        chat_template=args.chat_template,
                         limits=RequestLimits(max_n=args.max_n, max_stop=args.max_stop, max_stop_chars=args.max_stop_chars,
                                              max_stop_token_ids=args.max_stop_token_ids,
                                              max_json_depth=args.max_json_depth,

@@ -14,7 +14,7 @@ sampling validation is SamplingParams' (one definition, one message per field).
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -168,8 +168,11 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[dict] | None = None
     tool_choice: Literal["none"] | None = None
     parallel_tool_calls: bool | None = None
-    # vLLM extension: leave the assistant turn open (False to continue a final assistant message)
+    # vLLM extensions: open the assistant's turn; or, with add_generation_prompt false, continue
+    # the final message; extra variables for the chat template (e.g. enable_thinking).
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_chat(self):
