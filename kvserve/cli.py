@@ -25,6 +25,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
                    help="KV storage: the model's dtype, or int8 / fp8 (e4m3) with per-token, per-head scales")
     p.add_argument("--max-model-len", type=int, default=None, help="context window cap")
+    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV cache page (%(default)s)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV pages of a prompt prefix computed before (on by default)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     _add_weights_arg(p)
     g = p.add_argument_group("StreamingLLM (constant KV memory past the context length)")
@@ -70,8 +73,9 @@ def _add_speculative_args(p: argparse.ArgumentParser) -> None:
 
 
 def decoding_config(args: argparse.Namespace) -> dict:
-    """EngineConfig fields from the speculative decoding, StreamingLLM and KV-dtype flags."""
-    return dict(speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+    """EngineConfig fields from the KV pages, weights, speculative decoding and StreamingLLM flags."""
+    return dict(block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+                speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
                 speculative_model=args.speculative_model, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
                 self_draft_layers=args.self_draft_layers, self_draft_dtype=args.self_draft_dtype,
                 self_draft_bits=args.self_draft_bits,
@@ -115,6 +119,10 @@ def _add_serve_parser(sub) -> None:
     _add_engine_args(srv)
     srv.add_argument("--max-num-seqs", type=positive_int, default=64, help="sequences per step")
     srv.add_argument("--max-num-batched-tokens", type=positive_int, default=2048, help="token budget per step")
+    srv.add_argument("--seed", type=int, default=None,
+                     help="the engine's seed: requests without a seed draw theirs from it in arrival order, so a "
+                          "server started with the same seed and sent the same requests samples the same tokens "
+                          "(default: unseeded requests use the process's random state)")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
@@ -421,7 +429,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           use_kv_cache=not args.no_kv_cache, kv_cache_gib=args.kv_cache_gib,
                           max_model_len=args.max_model_len, num_threads=args.threads,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          **decoding_config(args))
+                          seed=args.seed, **decoding_config(args))
     server_limits = {k: getattr(args, k) for k in ("max_queue", "max_body_bytes") if getattr(args, k) is not None}
     opts = ServeOptions(host=args.host, port=args.port, served_model_name=args.served_model_name,
                         api_key=resolve_api_key(args.api_key, args.api_key_file),

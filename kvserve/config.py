@@ -227,6 +227,11 @@ class EngineConfig:
     # CUDA: run decode steps eagerly, never through captured CUDA graphs (vLLM's flag). Graphs
     # are captured at start-up, one per batch-size bucket, for plain decode steps.
     enforce_eager: bool = False
+    # The engine's seed (vLLM's --seed): a request without a seed of its own samples from one
+    # drawn from this seed's stream in arrival order, so the same requests sent to an engine
+    # with the same seed sample the same tokens, whatever ran beside them. None: such requests
+    # share the process's torch random state.
+    seed: int | None = None
     # The parts, made by __post_init__ from the fields above (not constructor arguments).
     cache_config: CacheConfig = field(init=False, repr=False, compare=False)
     scheduler_config: SchedulerConfig = field(init=False, repr=False, compare=False)
@@ -246,6 +251,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {self.dtype!r}")
         _positive_int(self, "num_threads", optional=True)
         _flag(self, "enforce_eager")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if self.weights == "fp32":  # llama.cpp's name for unquantized fp32 weights
             if self.dtype not in ("float32", "fp32", "auto"):
                 raise ValueError(f"weights 'fp32' contradicts dtype {self.dtype!r}: use weights='float'")
