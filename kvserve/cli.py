@@ -11,7 +11,12 @@ from kvserve.argtypes import positive_int
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="GGUF file or HF folder (default: bundled Gemma 3 270M)")
+    p.add_argument("--model", default=None,
+                   help="GGUF file, HF folder, or a Hugging Face name from the HF cache: ORG/NAME, or ORG/NAME:QUANT "
+                        "for a repository's .gguf file holding QUANT, e.g. Q4_K_M (default: bundled Gemma 3 270M)")
+    p.add_argument("--allow-download", action="store_true",
+                   help="download a Hugging Face name missing from the HF cache ($HF_HUB_CACHE, else $HF_HOME/hub) "
+                        "instead of failing")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default="auto",
                    help="float32, bfloat16 or float16; auto: float32 on the CPU, bfloat16 on CUDA")
@@ -73,8 +78,10 @@ def _add_speculative_args(p: argparse.ArgumentParser) -> None:
 
 
 def decoding_config(args: argparse.Namespace) -> dict:
-    """EngineConfig fields from the KV pages, weights, speculative decoding and StreamingLLM flags."""
-    return dict(block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+    """EngineConfig fields from the flags `generate` and `serve` share beyond the basic ones:
+    downloads, KV pages, weights, speculative decoding, StreamingLLM."""
+    return dict(allow_download=args.allow_download, block_size=args.block_size,
+                enable_prefix_caching=args.enable_prefix_caching,
                 speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
                 speculative_model=args.speculative_model, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
                 self_draft_layers=args.self_draft_layers, self_draft_dtype=args.self_draft_dtype,
@@ -115,7 +122,8 @@ def _add_serve_parser(sub) -> None:
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     srv.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
-                     help="GGUF file or HF folder (default: bundled Gemma 3 270M); same as --model")
+                     help="GGUF file, HF folder or Hugging Face name (ORG/NAME, ORG/NAME:QUANT) (default: bundled "
+                          "Gemma 3 270M); same as --model")
     _add_engine_args(srv)
     srv.add_argument("--max-num-seqs", type=positive_int, default=64, help="sequences per step")
     srv.add_argument("--max-num-batched-tokens", type=positive_int, default=2048, help="token budget per step")

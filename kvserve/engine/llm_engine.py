@@ -38,9 +38,11 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
         self.config = cfg = config or EngineConfig()
         builder.set_up_host(cfg)
+        path = None
         if loaded is None:
-            builder.check_memory(cfg)
-        self.loaded = builder.load_weights(cfg, loaded)
+            path = builder.model_path(cfg)
+            builder.check_memory(cfg, path)
+        self.loaded = builder.load_weights(cfg, loaded, path)
         self.model_config = mc = self.loaded.model.config
         self.tokenizer = self.loaded.tokenizer
         builder.check_model(cfg, mc)
