@@ -76,7 +76,8 @@ class LLM:
         if chat_template is not None:
             template = chat_template_for(self.engine.model_config, self.tokenizer,
                                          read_chat_template(chat_template, "chat_template"))
-        texts = [template.render(conv, add_generation_prompt, continue_final_message, chat_template_kwargs)
+        texts = [template.render(conv, add_generation_prompt=add_generation_prompt,
+                                 continue_final_message=continue_final_message, template_kwargs=chat_template_kwargs)
                  for conv in _conversations(messages)]
         # The rendered text holds its BOS already: tokenized without special tokens, as the server does.
         ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]

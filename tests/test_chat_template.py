@@ -213,6 +213,13 @@ def test_server_chat_template_flag_and_kwargs(tmp_path, tiny_folder, thinking_ll
                                   add_special_tokens=False)
         assert r.json()["usage"]["prompt_tokens"] == len(ids) == len(expected.prompt_token_ids)
         assert r.json()["choices"][0]["message"]["content"] == expected.text
+        # The final assistant message left open (vLLM's continue_final_message), as transformers cuts it.
+        conv = [{"role": "user", "content": "jumps over"}, {"role": "assistant", "content": "the lazy"}]
+        r = http.post("/v1/chat/completions", json={**body, "messages": conv, "add_generation_prompt": False,
+                                                    "continue_final_message": True})
+        assert r.status_code == 200, r.text
+        ids = hf_tokenizer.encode(_hf_render(hf_tokenizer, conv, continue_final_message=True), add_special_tokens=False)
+        assert r.json()["usage"]["prompt_tokens"] == len(ids)
         bad = {"kwargs not an object": ({"chat_template_kwargs": "x"}, "chat_template_kwargs", None),
                "a reserved variable": ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs.messages",
                                        "set by kvserve"),
