@@ -11,7 +11,12 @@ from kvserve.argtypes import positive_int
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="GGUF file or HF folder (default: bundled Gemma 3 270M)")
+    p.add_argument("--model", default=None,
+                   help="GGUF file, HF folder, or a Hugging Face name from the HF cache: ORG/NAME, or ORG/NAME:QUANT "
+                        "for a repository's .gguf file holding QUANT, e.g. Q4_K_M (default: bundled Gemma 3 270M)")
+    p.add_argument("--allow-download", action="store_true",
+                   help="download a Hugging Face name missing from the HF cache ($HF_HUB_CACHE, else $HF_HOME/hub) "
+                        "instead of failing")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default="auto",
                    help="float32, bfloat16 or float16; auto: float32 on the CPU, bfloat16 on CUDA")
@@ -25,6 +30,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
                    help="KV storage: the model's dtype, or int8 / fp8 (e4m3) with per-token, per-head scales")
     p.add_argument("--max-model-len", type=int, default=None, help="context window cap")
+    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV cache page (%(default)s)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV pages of a prompt prefix computed before (on by default)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     _add_weights_arg(p)
     g = p.add_argument_group("StreamingLLM (constant KV memory past the context length)")
@@ -70,8 +78,11 @@ def _add_speculative_args(p: argparse.ArgumentParser) -> None:
 
 
 def decoding_config(args: argparse.Namespace) -> dict:
-    """EngineConfig fields from the speculative decoding, StreamingLLM and KV-dtype flags."""
-    return dict(speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+    """EngineConfig fields from the flags `generate` and `serve` share beyond the basic ones:
+    downloads, KV pages, weights, speculative decoding, StreamingLLM."""
+    return dict(allow_download=args.allow_download, block_size=args.block_size,
+                enable_prefix_caching=args.enable_prefix_caching,
+                speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
                 speculative_model=args.speculative_model, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
                 self_draft_layers=args.self_draft_layers, self_draft_dtype=args.self_draft_dtype,
                 self_draft_bits=args.self_draft_bits,
@@ -111,13 +122,21 @@ def _add_serve_parser(sub) -> None:
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     srv.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
-                     help="GGUF file or HF folder (default: bundled Gemma 3 270M); same as --model")
+                     help="GGUF file, HF folder or Hugging Face name (ORG/NAME, ORG/NAME:QUANT) (default: bundled "
+                          "Gemma 3 270M); same as --model")
     _add_engine_args(srv)
     srv.add_argument("--max-num-seqs", type=positive_int, default=64, help="sequences per step")
     srv.add_argument("--max-num-batched-tokens", type=positive_int, default=2048, help="token budget per step")
+    srv.add_argument("--seed", type=int, default=None,
+                     help="the engine's seed: requests without a seed draw theirs from it in arrival order, so a "
+                          "server started with the same seed and sent the same requests samples the same tokens "
+                          "(default: unseeded requests use the process's random state)")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
+    srv.add_argument("--chat-template", default=None, metavar="FILE",
+                     help="chats render with this Jinja template (a file, or the template itself) instead of the "
+                          "model's own")
     srv.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer KEY' on /v1 routes (visible in ps: prefer the next two)")
     srv.add_argument("--api-key-file", default=None, help="the API key from the first line of this file")
@@ -150,6 +169,9 @@ def _add_serve_parser(sub) -> None:
     lim.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
                      help="seconds from arrival after which a request finishes with finish_reason 'length' "
                           "(%(default)s)")
+    lim.add_argument("--strict-requests", action="store_true",
+                     help="refuse a request field that is not an OpenAI or kvserve parameter with a 400 naming it "
+                          "(default: ignore it and log a warning naming it, as vLLM does)")
     srv.add_argument("--max-stream-backlog", type=positive_int, default=DEFAULT_MAX_UNREAD_TOKENS,
                      help="output tokens of one sample a streaming client may leave unread before its request "
                           "is aborted and its KV blocks freed (%(default)s)")
@@ -415,7 +437,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           use_kv_cache=not args.no_kv_cache, kv_cache_gib=args.kv_cache_gib,
                           max_model_len=args.max_model_len, num_threads=args.threads,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          **decoding_config(args))
+                          seed=args.seed, **decoding_config(args))
     server_limits = {k: getattr(args, k) for k in ("max_queue", "max_body_bytes") if getattr(args, k) is not None}
     opts = ServeOptions(host=args.host, port=args.port, served_model_name=args.served_model_name,
                         api_key=resolve_api_key(args.api_key, args.api_key_file),
@@ -424,12 +446,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         max_stream_backlog=args.max_stream_backlog,
                         allowed_hosts=None if args.allowed_hosts is None else args.allowed_hosts.split(","),
                         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
+                        chat_template=args.chat_template,
                         limits=RequestLimits(max_n=args.max_n, max_stop=args.max_stop, max_stop_chars=args.max_stop_chars,
                                              max_stop_token_ids=args.max_stop_token_ids,
                                              max_json_depth=args.max_json_depth,
                                              max_request_seqs=args.max_request_seqs,
                                              max_tokens_default=args.max_tokens_default,
-                                             request_timeout=args.request_timeout),
+                                             request_timeout=args.request_timeout,
+                                             strict_requests=args.strict_requests),
                         **server_limits)
     return serve(config, opts)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, fields
 
+from kvserve.loading.hub import parse_hub_name
 from kvserve.loading.loader import DTYPES
 from kvserve.model.attention import KV_CACHE_DTYPES
 
@@ -153,9 +154,20 @@ class StreamingConfig:
         return self.streaming_window is not None
 
 
+def _may_name_a_gguf(model: str | os.PathLike) -> bool:
+    """A .gguf path, or a Hugging Face name (ORG/NAME:QUANT is one; what ORG/NAME holds is
+    known once it is resolved, and the loader checks it then)."""
+    return str(model).endswith(".gguf") or parse_hub_name(str(model)) is not None
+
+
 @dataclass
 class EngineConfig:
-    model: str | None = None  # GGUF file or HF folder; None = the bundled Gemma 3 270M
+    # GGUF file or HF folder, or a Hugging Face name found in the HF cache: ORG/NAME (an HF
+    # model), ORG/NAME:QUANT (the repository's .gguf file holding QUANT, e.g. Q4_K_M); a local
+    # path wins over a name. None = the bundled Gemma 3 270M.
+    model: str | None = None
+    # A name not in the HF cache is downloaded (huggingface_hub) instead of being an error.
+    allow_download: bool = False
     device: str = "cpu"
     # Weights and activations: "auto" is float32 on the CPU (exact against HF transformers) and
     # bfloat16 on CUDA (half the bytes each decode step reads; tensor cores). On the CPU "auto"
@@ -227,6 +239,11 @@ class EngineConfig:
     # CUDA: run decode steps eagerly, never through captured CUDA graphs (vLLM's flag). Graphs
     # are captured at start-up, one per batch-size bucket, for plain decode steps.
     enforce_eager: bool = False
+    # The engine's seed (vLLM's --seed): a request without a seed of its own samples from one
+    # drawn from this seed's stream in arrival order, so the same requests sent to an engine
+    # with the same seed sample the same tokens, whatever ran beside them. None: such requests
+    # share the process's torch random state.
+    seed: int | None = None
     # The parts, made by __post_init__ from the fields above (not constructor arguments).
     cache_config: CacheConfig = field(init=False, repr=False, compare=False)
     scheduler_config: SchedulerConfig = field(init=False, repr=False, compare=False)
@@ -236,7 +253,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
-            raise ValueError(f"model must be a path or None, got {type(self.model).__name__}")
+            raise ValueError(f"model must be a path, a Hugging Face name or None, got {type(self.model).__name__}")
         dev = str(self.device).split(":")[0]
         if dev not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
@@ -245,7 +262,9 @@ class EngineConfig:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {self.dtype!r}")
         _positive_int(self, "num_threads", optional=True)
-        _flag(self, "enforce_eager")
+        _flag(self, "enforce_eager", "allow_download")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if self.weights == "fp32":  # llama.cpp's name for unquantized fp32 weights
             if self.dtype not in ("float32", "fp32", "auto"):
                 raise ValueError(f"weights 'fp32' contradicts dtype {self.dtype!r}: use weights='float'")
@@ -272,7 +291,7 @@ class EngineConfig:
         if self.weights != "float" and dev != "cpu":
             raise ValueError(f"weights {self.weights!r} run on kvserve's CPU kernels: device must be "
                              f"'cpu', got {self.device!r}")
-        if self.weights == "gguf" and self.model is not None and not str(self.model).endswith(".gguf"):
+        if self.weights == "gguf" and self.model is not None and not _may_name_a_gguf(self.model):
             raise ValueError(f"weights 'gguf' reads a GGUF file's own blocks: model must be a .gguf file, "
                              f"got {str(self.model)!r}")
         if self.weights != "float" and self.speculative == "self":

@@ -105,7 +105,8 @@ def test_missing_tokenizer(tmp_path, tiny_folder):
 
 
 @pytest.mark.parametrize("field,value", [("dtype", "int3"), ("device", "tpu"), ("block_size", 0),
-                                         ("kv_cache_gib", -1.0), ("max_num_seqs", "8"), ("max_model_len", 0)])
+                                         ("kv_cache_gib", -1.0), ("max_num_seqs", "8"), ("max_model_len", 0),
+                                         ("seed", "7"), ("seed", True), ("enable_prefix_caching", "yes")])
 def test_engine_config_names_bad_field(field, value):
     with pytest.raises(ValueError, match=field):
         EngineConfig(**{field: value})

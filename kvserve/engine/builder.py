@@ -30,7 +30,7 @@ from kvserve.engine.scheduler import Scheduler
 from kvserve.kernels.host_memory import available_memory_bytes, keep_freed_memory
 from kvserve.loading import LoadedModel, load_model
 from kvserve.loading.footprint import weight_footprint
-from kvserve.loading.loader import build_model, default_model_path
+from kvserve.loading.loader import build_model, resolve_model_path
 from kvserve.loading.streamed import load_quantized_streaming
 from kvserve.model.attention import KVCache
 from kvserve.model.base import stored_weight_bytes
@@ -69,12 +69,17 @@ def set_up_host(cfg: EngineConfig) -> None:
         keep_freed_memory()  # no page faults on each step's large temporaries
 
 
-def check_memory(cfg: EngineConfig) -> None:
+def model_path(cfg: EngineConfig) -> Path:
+    """The file or folder cfg.model names (a path, a Hugging Face name found in the HF cache or
+    downloaded when cfg.allow_download, or the bundled model), resolved once per engine."""
+    return resolve_model_path(cfg.model, cfg.allow_download)
+
+
+def check_memory(cfg: EngineConfig, path: Path) -> None:
     """Refuse, before anything loads, a CPU engine whose weights (as cfg.weights keeps them, from
-    the file's headers) and explicit KV pool exceed the memory available, naming the numbers.
-    Skipped where the available memory cannot be read, or the model path does not exist (the
-    load names that problem)."""
-    path = Path(cfg.model).expanduser() if cfg.model is not None else default_model_path()
+    the headers of `path`, the model's files) and explicit KV pool exceed the memory available,
+    naming the numbers. Skipped where the available memory cannot be read, or the path does not
+    exist (the load names that problem)."""
     available = available_memory_bytes()
     if torch.device(cfg.device).type != "cpu" or available is None or not path.exists():
         return
@@ -89,26 +94,25 @@ def check_memory(cfg: EngineConfig) -> None:
             f"smaller --kv-cache-gib, --weights gguf (a GGUF's own blocks) or int4, or --no-pack-weights")
 
 
-def load_weights(cfg: EngineConfig, loaded: LoadedModel | None) -> LoadedModel:
-    """The model as the engine computes with it: `loaded` (else cfg.model, loaded here), low-bit
-    when cfg.weights asks, then prepared with the fast paths the configuration allows
+def load_weights(cfg: EngineConfig, loaded: LoadedModel | None, path: Path | None) -> LoadedModel:
+    """The model as the engine computes with it: `loaded` (else the model at `path`, loaded here),
+    low-bit when cfg.weights asks, then prepared with the fast paths the configuration allows
     (kvserve/accel/prepare.py)."""
     w = cfg.weights_config
     if w.weights == "gguf":
         if loaded is None:
-            loaded = load_model(cfg.model, cfg.dtype, cfg.device, gguf_blocks=True,
-                                gguf_activations=w.gguf_activations)
+            loaded = load_model(path, cfg.dtype, cfg.device, gguf_blocks=True, gguf_activations=w.gguf_activations)
         elif not any(isinstance(m, GGMLLinear) for m in loaded.model.modules()):
             raise ValueError("weights 'gguf' reads a GGUF file's own blocks: give model= (a .gguf file), or "
                              "loaded=load_model(path, gguf_blocks=True), not a model loaded as floats")
         prepare_model(loaded.model, cfg.device, pack=w.pack_weights)
         return loaded
     if loaded is None and w.low_bit:  # quantized as it is read, block by block, when the source allows
-        streamed = load_quantized_streaming(cfg.model, w.weights, cfg.dtype)
+        streamed = load_quantized_streaming(path, w.weights, cfg.dtype)
         if streamed is not None:
             prepare_model(streamed.model, cfg.device, pack=w.pack_weights, head_only=w.compile, low_bit=True)
             return streamed
-    out = low_bit_weights(loaded or load_model(cfg.model, cfg.dtype, cfg.device), w.weights, cfg.device,
+    out = low_bit_weights(loaded or load_model(path, cfg.dtype, cfg.device), w.weights, cfg.device,
                           owned=loaded is None)
     prepare_model(out.model, cfg.device, pack=w.pack_weights, head_only=w.compile, low_bit=w.low_bit)
     return out

@@ -55,20 +55,24 @@ def check_prompt_fits(ids: list[int], max_model_len: int) -> None:
                          f"{max_model_len}, leaving no room for output")
 
 
-def sample_generator(params: SamplingParams, index: int, device: str) -> torch.Generator | None:
+def sample_generator(params: SamplingParams, index: int, device: str,
+                     engine_seed: int | None = None) -> torch.Generator | None:
     """One RNG per sample, so a seeded request gives the same tokens whatever runs beside it;
-    None (the global RNG) when unseeded or greedy."""
-    if params.seed is None or params.greedy:
+    `engine_seed` stands in for a request without a seed (EngineConfig.seed). None (the global
+    RNG) when greedy or neither is set."""
+    seed = params.seed if params.seed is not None else engine_seed
+    if seed is None or params.greedy:
         return None
-    return torch.Generator(device=device).manual_seed(params.seed + index)
+    return torch.Generator(device=device).manual_seed(seed + index)
 
 
 def new_sequences(seq_ids: Iterator[int], request_id: str, ids: list[int], params: SamplingParams,
-                  arrival: float, cache_salt: str | None, device: str) -> list[Sequence]:
+                  arrival: float, cache_salt: str | None, device: str,
+                  engine_seed: int | None = None) -> list[Sequence]:
     """The request's n samples, each with its own RNG and the request's cache salt."""
     seqs = [Sequence(next(seq_ids), request_id, list(ids), params, arrival, index=i) for i in range(params.n)]
     for s in seqs:
         if cache_salt is not None:
             s.cache_salt = ("salt", cache_salt)
-        s.generator = sample_generator(params, s.index, device)
+        s.generator = sample_generator(params, s.index, device, engine_seed)
     return seqs

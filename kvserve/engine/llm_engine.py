@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import random
 import time
 
 import torch
@@ -37,9 +38,11 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
         self.config = cfg = config or EngineConfig()
         builder.set_up_host(cfg)
+        path = None
         if loaded is None:
-            builder.check_memory(cfg)
-        self.loaded = builder.load_weights(cfg, loaded)
+            path = builder.model_path(cfg)
+            builder.check_memory(cfg, path)
+        self.loaded = builder.load_weights(cfg, loaded, path)
         self.model_config = mc = self.loaded.model.config
         self.tokenizer = self.loaded.tokenizer
         builder.check_model(cfg, mc)
@@ -73,6 +76,8 @@ class LLMEngine:
         self.num_prompt_tokens_computed = 0  # prompt tokens that went through the model (not cache hits)
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
+        # Seeds for requests without one, in arrival order (EngineConfig.seed; None: the global RNG).
+        self._seeds = random.Random(cfg.seed) if cfg.seed is not None else None
         self.clock = time.perf_counter  # the one monotonic clock for every timestamp
 
     @property
@@ -115,7 +120,7 @@ class LLMEngine:
         ids = self.tokenize(prompt)
         input_processor.check_prompt_fits(ids, self.max_model_len)
         seqs = input_processor.new_sequences(self._seq_ids, request_id, ids, params, arrival, cache_salt,
-                                             self.config.device)
+                                             self.config.device, self._engine_seed(params))
         self.output_processor.attach(seqs, params, ids)
         self.spec_decoder.attach(seqs)
         req = RequestState(request_id, prompt if isinstance(prompt, str) else None, ids, params, seqs,
@@ -125,6 +130,13 @@ class LLMEngine:
         # computed, sharing its blocks by reference (copy-on-write on their first append).
         self.scheduler.add(seqs[0])
         return request_id
+
+    def _engine_seed(self, params: SamplingParams) -> int | None:
+        """The next seed of the engine's stream for a request without its own (drawn for sampled
+        and greedy requests alike, so a seed depends only on the request's place in arrival order)."""
+        if self._seeds is None or params.seed is not None:
+            return None
+        return self._seeds.getrandbits(63)
 
     def abort(self, request_id: str) -> bool:
         req = self.requests.get(request_id)

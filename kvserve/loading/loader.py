@@ -1,5 +1,6 @@
-"""`load_model`: a path (GGUF file or HF folder) or None (the bundled Gemma 3 270M) to a
-ready model, its config and its tokenizer."""
+"""`load_model`: a path (GGUF file or HF folder), a Hugging Face name (`ORG/NAME`,
+`ORG/NAME:QUANT`, from the HF cache: kvserve/loading/hub.py) or None (the bundled Gemma 3 270M)
+to a ready model, its config and its tokenizer."""
 from __future__ import annotations
 
 import logging
@@ -13,6 +14,7 @@ from safetensors.torch import load_file
 from kvserve.loading.errors import ModelLoadError
 from kvserve.loading.gguf import load_gguf, load_gguf_blocks
 from kvserve.loading.hf import checkpoint_dtype, hf_state_dict, read_hf_config
+from kvserve.loading.hub import find_hub_model, parse_hub_name
 from kvserve.loading.quantized import quantized_parts, read_quantization_config
 from kvserve.loading.sparse_nm import read_sparsity_config, sparse_parts
 from kvserve.loading.tokenizer import Tokenizer
@@ -44,6 +46,21 @@ def default_model_path() -> Path:
     if path.exists() and path.stat().st_size == sum(p.stat().st_size for p in chunk_paths()):
         return path
     return Path(assemble())
+
+
+def resolve_model_path(model: str | Path | None, allow_download: bool = False) -> Path:
+    """The file or folder `model` names: None, the bundled model; an existing path, itself; else
+    a Hugging Face name found in the HF cache (downloaded there if `allow_download`)."""
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if path.exists():
+        return path
+    name = parse_hub_name(str(model))
+    if name is None:
+        raise ModelLoadError(path, "no such file or folder (give a .gguf file, an HF folder with config.json, or a "
+                                   "Hugging Face name ORG/NAME or ORG/NAME:QUANT)")
+    return find_hub_model(name, allow_download)
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -152,18 +169,20 @@ def keeps_16bit(dtype: str | torch.dtype, device: str | torch.device, path: Path
 
 def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "float32",
                device: str | torch.device = "cpu", gguf_blocks: bool = False,
-               gguf_activations: str = "int8") -> LoadedModel:
+               gguf_activations: str = "int8", allow_download: bool = False) -> LoadedModel:
     """A model from a .gguf file or an HF folder (plain, quantized or N:M-compressed), its
     tokenizer and config. `dtype` "auto": float32 on the CPU (bfloat16 on CUDA), except that a
     plain HF folder saved in bfloat16 / float16 keeps its linear weights and embedding in that
     dtype on the CPU, computing in float32 (kvserve/weights/half.py). `gguf_blocks`: a GGUF's
     quantized weights stay the file's blocks (memory-mapped, kvserve/weights/ggml.py) instead of
     being dequantized to `dtype`; CPU only; `gguf_activations` "int8" (llama.cpp's arithmetic) or
-    "float" (the float model's products)."""
+    "float" (the float model's products). `model` may be a Hugging Face name (resolve_model_path;
+    downloaded only with `allow_download`)."""
     torch_dtype = compute_dtype(dtype, device)
-    path = default_model_path() if model is None else Path(model).expanduser()
-    if not path.exists():
-        raise ModelLoadError(path, "no such file or folder (give a .gguf file or an HF folder with config.json)")
+    path = resolve_model_path(model, allow_download)
+    if gguf_blocks and path.suffix != ".gguf":
+        raise ModelLoadError(path, "gguf_blocks (weights 'gguf') reads a GGUF file's own blocks: this is not a "
+                                   ".gguf file")
     keep_16bit = False
     if path.is_dir():
         cfg = read_hf_config(path)

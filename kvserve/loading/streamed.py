@@ -27,8 +27,8 @@ from kvserve.loading.loader import (
     LoadedModel,
     check_tensors,
     compute_dtype,
-    default_model_path,
     finish_model,
+    resolve_model_path,
 )
 from kvserve.loading.quantized import read_quantization_config
 from kvserve.loading.sparse_nm import read_sparsity_config
@@ -129,14 +129,12 @@ def stream_quantize(path: Path, quantize: Quantize, dtype: torch.dtype = torch.f
     return LoadedModel(finish_model(model, cfg, "cpu"), cfg, tokenizer, path), report
 
 
-def load_quantized_streaming(model: str | Path | None, kind: str, dtype: str | torch.dtype = "auto"
-                             ) -> LoadedModel | None:
+def load_quantized_streaming(model: str | Path | None, kind: str, dtype: str | torch.dtype = "auto",
+                             allow_download: bool = False) -> LoadedModel | None:
     """EngineConfig.weights int8 / int4 loaded layer by layer (CPU): the same model as
     `load_model` then kvserve/engine/builder.py `low_bit_weights`, without the float copy; None
     when the source cannot be streamed (a quantized or N:M folder)."""
-    path = default_model_path() if model is None else Path(model).expanduser()
-    if not path.exists():
-        raise ModelLoadError(path, "no such file or folder (give a .gguf file or an HF folder with config.json)")
+    path = resolve_model_path(model, allow_download)
     t = time.perf_counter()
     out = stream_quantize(path, lambda m, prepare: engine_quantize(m, kind, path, prepare), compute_dtype(dtype))
     if out is None:

@@ -20,7 +20,7 @@ from kvserve.engine.async_engine import AsyncLLMEngine
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.server.body import parse_body
 from kvserve.server.chat import create_chat_completion
-from kvserve.server.chat_template import chat_template_for
+from kvserve.loading.chat_template import TemplateSource, chat_template_for
 from kvserve.server.completions import create_completion
 from kvserve.server.errors import APIError, error_body, install_handlers
 from kvserve.server.gateway import Gateway
@@ -46,13 +46,15 @@ _PLACEHOLDER = ("<!doctype html><title>kvserve</title><h1>kvserve</h1><p>OpenAI-
 def build_app(engine: AsyncLLMEngine | LLMEngine, served_model_name: str, api_key: str | None = None,
               max_queue: int = DEFAULT_MAX_QUEUE, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               limits: RequestLimits | None = None, protect_metrics: bool = False,
-              allowed_hosts: list[str] | None = None, body_timeout: float = 60.0) -> FastAPI:
+              allowed_hosts: list[str] | None = None, body_timeout: float = 60.0,
+              chat_template: TemplateSource | None = None) -> FastAPI:
+    """`chat_template`: the template chats render with instead of the model's (--chat-template)."""
     async_engine = engine if isinstance(engine, AsyncLLMEngine) else AsyncLLMEngine(engine)
     metrics = ServerMetrics(async_engine.stats, served_model_name)
     if async_engine.observer is None:
         async_engine.observer = metrics
     core = async_engine.engine
-    state = ServerState(async_engine, served_model_name, chat_template_for(core.model_config, core.tokenizer),
+    state = ServerState(async_engine, served_model_name, chat_template_for(core.model_config, core.tokenizer, chat_template),
                         metrics, api_key, max_queue, max_body_bytes, limits or RequestLimits(),
                         protect_ops=protect_metrics, body_timeout=body_timeout)
     if protect_metrics and api_key is None:

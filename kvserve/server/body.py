@@ -4,7 +4,9 @@ Parsed by hand rather than by FastAPI's body injection so that each failure gets
 clear status and message: wrong Content-Type (415), bytes that are not UTF-8, text that is
 not JSON (including NaN/Infinity, which Python's json would accept), JSON that is not an
 object or nests deeper than the server allows (400), and pydantic's validation errors (400 with
-`param`).
+`param`). Fields no request model declares are ignored with one warning per request naming them
+(vLLM's behaviour: clients send parameters of newer API versions), or refused with a 400 naming
+the first under `--strict-requests` (`RequestLimits.strict_requests`).
 """
 from __future__ import annotations
 
@@ -16,11 +18,13 @@ from typing import TypeVar
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
-from kvserve.server.errors import APIError, from_validation_error
+from kvserve.server.errors import APIError, from_validation_error, unknown_field_error
 from kvserve.server.limits import RequestLimits
+from kvserve.server.protocol import unknown_fields
 
 M = TypeVar("M", bound=BaseModel)
 OFF_LOOP_BYTES = 64 * 1024  # bodies larger than this are parsed in a worker thread
+LOGGED_UNKNOWN = 16  # unknown field names one warning lists (a body can carry thousands)
 log = logging.getLogger(__name__)
 
 
@@ -56,8 +60,24 @@ async def parse_body(request: Request, model: type[M], limits: RequestLimits) ->
         raise APIError(499, "the client disconnected before its request body arrived", None,
                        "client_disconnected") from None
     if len(raw) > OFF_LOOP_BYTES:  # parsing and validating megabytes takes long enough to stall others
-        return await asyncio.to_thread(_parse, raw, model, limits)
-    return _parse(raw, model, limits)
+        req = await asyncio.to_thread(_parse, raw, model, limits)
+    else:
+        req = _parse(raw, model, limits)
+    _check_unknown(req, limits.strict_requests, f"{request.method} {request.url.path}")
+    return req
+
+
+def _check_unknown(req: BaseModel, strict: bool, route: str) -> None:
+    """Refuse (strict) or log the request's undeclared fields."""
+    unknown = unknown_fields(req)
+    if not unknown:
+        return
+    if strict:
+        raise unknown_field_error(unknown[0])
+    names = ", ".join(repr(name[:64]) for name in unknown[:LOGGED_UNKNOWN])
+    more = f" and {len(unknown) - LOGGED_UNKNOWN} more" if len(unknown) > LOGGED_UNKNOWN else ""
+    log.warning("%s: ignored unknown request field(s) %s%s (not OpenAI or kvserve parameters; "
+                "--strict-requests refuses them)", route, names, more)
 
 
 def _parse(raw: bytes, model: type[M], limits: RequestLimits) -> M:

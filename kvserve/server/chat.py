@@ -15,7 +15,7 @@ from starlette.responses import Response
 
 from kvserve.engine.async_engine import RequestError, RequestStream
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
-from kvserve.server.chat_template import ChatTemplateError
+from kvserve.loading.chat_template import ChatTemplateError
 from kvserve.server.errors import APIError, error_body, from_request_error
 from kvserve.server.logprobs import chat_logprobs, delta_logprobs
 from kvserve.server.params import check_context, sampling_params
@@ -75,9 +75,12 @@ def render_messages(state: ServerState, req: ChatCompletionRequest) -> str:
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text,
                  **({"name": m.name} if m.name else {})} for m in req.messages]
     try:
-        return state.chat_template.render(messages, add_generation_prompt=req.add_generation_prompt)
+        return state.chat_template.render(messages, add_generation_prompt=req.add_generation_prompt,
+                                          continue_final_message=req.continue_final_message,
+                                          template_kwargs=req.chat_template_kwargs)
     except ChatTemplateError as e:
-        raise APIError(400, f"messages: {e}", "messages", "invalid_messages") from None
+        message = str(e) if str(e).startswith(e.field) else f"{e.field}: {e}"
+        raise APIError(400, message, e.field, "invalid_messages") from None
 
 
 async def _prompt_ids(state: ServerState, req: ChatCompletionRequest) -> list[int]:

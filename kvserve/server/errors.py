@@ -60,8 +60,6 @@ def from_validation_error(exc: ValidationError) -> APIError:
     errors = exc.errors(include_url=False)
     first = errors[0]
     param = _param_of(first)
-    if first["type"] == "extra_forbidden":
-        return APIError(400, f"{param}: unknown field (not an OpenAI or kvserve parameter)", param, "unknown_field")
     if first["type"] == "missing":
         return APIError(400, f"{param}: field required", param, "missing_field")
     msgs: dict[str, None] = {}  # ordered, and O(1) to test: a body can fail thousands of times
@@ -73,6 +71,12 @@ def from_validation_error(exc: ValidationError) -> APIError:
                 break
     text = "; or ".join(msgs) + (" (further errors not shown)" if len(msgs) == MAX_MESSAGES else "")
     return APIError(400, text, param or None, "invalid_value")
+
+
+def unknown_field_error(param: str) -> APIError:
+    """A field no request model declares, refused under --strict-requests."""
+    return APIError(400, f"{param}: unknown field (not an OpenAI or kvserve parameter; this server refuses "
+                         f"unknown fields: --strict-requests)", param, "unknown_field")
 
 
 def _param_of(err: dict) -> str:

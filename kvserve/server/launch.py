@@ -22,6 +22,7 @@ import uvicorn
 from kvserve.config import EngineConfig
 from kvserve.engine.async_engine import DEFAULT_MAX_UNREAD_TOKENS, AsyncLLMEngine
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.loading.chat_template import read_chat_template
 from kvserve.server.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, build_app
 from kvserve.server.connections import DEFAULT_HEADER_TIMEOUT_S, with_header_timeout
 from kvserve.server.limits import RequestLimits
@@ -48,6 +49,7 @@ class ServeOptions:
     allowed_hosts: list[str] | None = None
     shutdown_timeout: float = 30.0
     log_level: str = "info"
+    chat_template: str | None = None  # a Jinja file, or the template itself, instead of the model's
 
 
 class DrainingServer(uvicorn.Server):
@@ -90,12 +92,13 @@ class DrainingServer(uvicorn.Server):
 def serve(config: EngineConfig, opts: ServeOptions) -> int:
     """Blocks until the server has shut down; returns the exit status (0 after a drain)."""
     _check_options(opts)
+    template = read_chat_template(opts.chat_template, "--chat-template") if opts.chat_template is not None else None
     engine = LLMEngine(config)
     name = opts.served_model_name or (str(config.model) if config.model is not None else DEFAULT_MODEL_NAME)
     async_engine = AsyncLLMEngine(engine, max_unread_tokens=opts.max_stream_backlog)
     app = build_app(async_engine, name, api_key=opts.api_key, max_queue=opts.max_queue,
                     max_body_bytes=opts.max_body_bytes, limits=opts.limits, protect_metrics=opts.protect_metrics,
-                    allowed_hosts=opts.allowed_hosts, body_timeout=opts.body_timeout)
+                    allowed_hosts=opts.allowed_hosts, body_timeout=opts.body_timeout, chat_template=template)
     uv_config = uvicorn_config(app, opts)
     server = DrainingServer(uv_config, app.state.kvserve, opts.shutdown_timeout)
     log.info("serving %r on http://%s:%d (OpenAI API at /v1)", name, opts.host, opts.port)

@@ -32,6 +32,8 @@ class RequestLimits:
     max_request_seqs: int = DEFAULT_MAX_REQUEST_SEQS
     max_tokens_default: int = DEFAULT_MAX_TOKENS
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S
+    # Fields no request model declares: ignored with a warning (False, vLLM's behaviour) or a 400.
+    strict_requests: bool = False
 
     def default_max_tokens(self, max_tokens: int | None, prompt_tokens: int, max_model_len: int,
                            min_tokens: int = 0) -> int:
@@ -44,7 +46,10 @@ class RequestLimits:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "request_timeout":
+            if f.name == "strict_requests":
+                if not isinstance(value, bool):
+                    raise ValueError(f"strict_requests must be a bool, got {value!r}")
+            elif f.name == "request_timeout":
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                     raise ValueError(f"--request-timeout must be a positive number of seconds, got {value!r}")
             elif isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -1,10 +1,12 @@
 """OpenAI wire format: request and response models (pydantic v2), OpenAI's field names.
 
-Requests are strict: an unknown field is an error (a typo such as `max_token` must not be
-silently ignored) and types are not coerced (`"max_tokens": "5"` is a mistake, not a 5).
-Fields OpenAI defines that we cannot honour are accepted only at their neutral value, so a
-client gets a 400 naming the field rather than a response that ignored it. vLLM's sampling
-extensions (`top_k`, `min_p`, `ignore_eos`, ...) are accepted as in vLLM.
+Types are strict: they are not coerced (`"max_tokens": "5"` is a mistake, not a 5). Fields no
+model declares (`store`, `metadata`, a newer SDK's parameters, a typo such as `max_token`) are
+kept aside as the model's extras: the server ignores them with a warning naming them, as vLLM
+does, or refuses them with a 400 under `--strict-requests` (kvserve/server/body.py,
+`unknown_fields`). Fields OpenAI defines that we cannot honour are declared and accepted only at
+their neutral value, so a client gets a 400 naming the field rather than a response that ignored
+it. vLLM's sampling extensions (`top_k`, `min_p`, `ignore_eos`, ...) are accepted as in vLLM.
 
 Value ranges that are OpenAI's own (temperature <= 2, n <= 128) live here; the rest of the
 sampling validation is SamplingParams' (one definition, one message per field).
@@ -12,7 +14,7 @@ sampling validation is SamplingParams' (one definition, one message per field).
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -28,7 +30,30 @@ class FieldError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # Strict types; undeclared fields kept in `model_extra` for the unknown-field policy.
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+def unknown_fields(model: BaseModel, path: str = "") -> list[str]:
+    """The fields of a validated request that no model declares, as error `param` paths
+    (`store`, `messages[0].mood`): the model's own extras, then its nested models'."""
+    found = [_join(path, name) for name in (model.model_extra or {})]
+    for name in type(model).model_fields:
+        found += _unknown_in(getattr(model, name), _join(path, name))
+    return found
+
+
+def _unknown_in(value: object, path: str) -> list[str]:
+    if isinstance(value, BaseModel):
+        return unknown_fields(value, path)
+    # Only lists of models (or of lists) can hold models: a list of token ids is not walked.
+    if isinstance(value, list) and value and isinstance(value[0], (BaseModel, list)):
+        return [p for i, v in enumerate(value) for p in _unknown_in(v, f"{path}[{i}]")]
+    return []
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
 
 
 class StreamOptions(_Strict):
@@ -143,8 +168,11 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[dict] | None = None
     tool_choice: Literal["none"] | None = None
     parallel_tool_calls: bool | None = None
-    # vLLM extension: leave the assistant turn open (False to continue a final assistant message)
+    # vLLM extensions: open the assistant's turn; or, with add_generation_prompt false, continue
+    # the final message; extra variables for the chat template (e.g. enable_thinking).
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_chat(self):

@@ -11,7 +11,7 @@ from typing import ClassVar
 from kvserve.engine.async_engine import AsyncLLMEngine
 from kvserve.loading.tokenizer import Tokenizer
 from kvserve.sampling_params import SamplingParams
-from kvserve.server.chat_template import ChatTemplate
+from kvserve.loading.chat_template import ChatTemplate
 from kvserve.server.errors import APIError
 from kvserve.server.limits import RequestLimits
 from kvserve.server.metrics import ServerMetrics

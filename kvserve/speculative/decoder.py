@@ -65,7 +65,8 @@ class SpeculativeDecoder:
             return NgramDrafter(spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max)
         if spec.speculative == "self":
             return self._make_self_drafter(target)
-        draft = load_model(spec.speculative_model, self.config.dtype, self.config.device).model
+        draft = load_model(spec.speculative_model, self.config.dtype, self.config.device,
+                           allow_download=self.config.allow_download).model
         if draft.config.vocab_size != mc.vocab_size:
             raise ValueError(f"speculative_model {spec.speculative_model!r} has a vocabulary of "
                              f"{draft.config.vocab_size} tokens; the target has {mc.vocab_size}: a draft must "

@@ -100,15 +100,10 @@ def _rtn_streamed(args: argparse.Namespace):
     """(model, report, seconds) of RTN applied block by block as the checkpoint is read
     (kvserve/loading/streamed.py; the same folder as loading in fp32 first), or None where the
     source cannot be streamed."""
-    from pathlib import Path
-
-    from kvserve.loading.loader import default_model_path
+    from kvserve.loading.loader import resolve_model_path
     from kvserve.loading.streamed import stream_quantize
 
-    source = args.model_path or args.model
-    path = default_model_path() if source is None else Path(source).expanduser()
-    if not path.exists():
-        return None  # load_model names the problem
+    path = resolve_model_path(args.model_path or args.model)  # a path, or a name in the HF cache
     t0 = time.perf_counter()
     out = stream_quantize(path, lambda model, place: _rtn_quantize(model, args, place))
     return None if out is None else (*out, time.perf_counter() - t0)
