@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 
 from kvserve.loading.loader import DTYPES
 from kvserve.model.attention import KV_CACHE_DTYPES
+from kvserve.pooling_params import PoolerConfig
 
 DEVICES = ("cpu", "cuda")
 SPECULATIVE = ("ngram", "draft", "self")
@@ -227,6 +228,10 @@ class EngineConfig:
     # CUDA: run decode steps eagerly, never through captured CUDA graphs (vLLM's flag). Graphs
     # are captured at start-up, one per batch-size bucket, for plain decode steps.
     enforce_eager: bool = False
+    # Embedding requests (PoolingParams, /v1/embeddings): how the final hidden states become one
+    # vector, a PoolerConfig or a dict of its fields (vLLM's `--pooler-config`): pooling_type
+    # "LAST" (default) or "MEAN", normalize (default True). Made a PoolerConfig at construction.
+    pooler_config: PoolerConfig | dict | None = None
     # The parts, made by __post_init__ from the fields above (not constructor arguments).
     cache_config: CacheConfig = field(init=False, repr=False, compare=False)
     scheduler_config: SchedulerConfig = field(init=False, repr=False, compare=False)
@@ -246,6 +251,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {self.dtype!r}")
         _positive_int(self, "num_threads", optional=True)
         _flag(self, "enforce_eager")
+        self.pooler_config = PoolerConfig.of(self.pooler_config)
         if self.weights == "fp32":  # llama.cpp's name for unquantized fp32 weights
             if self.dtype not in ("float32", "fp32", "auto"):
                 raise ValueError(f"weights 'fp32' contradicts dtype {self.dtype!r}: use weights='float'")

@@ -7,8 +7,9 @@ from tqdm import tqdm
 
 from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.outputs import EmbeddingRequestOutput, RequestOutput
 from kvserve.loading import LoadedModel
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -50,6 +51,28 @@ class LLM:
             bar.close()
         return [done[r] for r in ids]
 
+    def embed(self, prompts: Prompt | Sequence[Prompt],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (vLLM's `LLM.embed`: `outputs[i].outputs.embedding`), pooled
+        as the engine's `pooler_config` says; prompts batch like generate's."""
+        prompts = _as_list(prompts)
+        plist = _list_of(pooling_params, len(prompts), PoolingParams)
+        ids: list[str] = []
+        done: dict[str, EmbeddingRequestOutput] = {}
+        try:
+            for p, pp in zip(prompts, plist):
+                ids.append(self.engine.add_request(p, pp))
+            while self.engine.has_unfinished():
+                done.update((out.request_id, out) for out in self.engine.step() if out.finished)
+        except BaseException:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        for rid in ids:
+            if done[rid].error is not None:
+                raise RuntimeError(f"embedding request {rid} failed: {done[rid].error}")
+        return [done[r] for r in ids]
+
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Generate one prompt, yielding an output (with `delta_text`) after every step."""
         rid = self.engine.add_request(prompt, params)
@@ -85,4 +108,16 @@ def _params_list(params, n: int) -> list[SamplingParams]:
     plist = list(params)
     if len(plist) != n:
         raise ValueError(f"got {len(plist)} SamplingParams for {n} prompts")
+    return plist
+
+
+def _list_of(params, n: int, kind: type) -> list:
+    """One params object per prompt: None (defaults), one shared, or one each."""
+    if params is None:
+        return [kind() for _ in range(n)]
+    if isinstance(params, kind):
+        return [params] * n
+    plist = list(params)
+    if len(plist) != n:
+        raise ValueError(f"got {len(plist)} {kind.__name__} for {n} prompts")
     return plist
