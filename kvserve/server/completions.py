@@ -173,7 +173,7 @@ async def _stream(job: _Job, streams: list[RequestStream]) -> AsyncIterator[str]
                     continue
                 lps, tops = delta_logprobs(c)
                 choice = job.choice(i, c, c.delta_text, c.delta_token_ids, lps, tops, offsets.get(idx, 0), echo)
-                offsets[idx] = offsets.get(idx, 0) + len(choice.text)
+                offsets[idx] = _end_offset(choice, offsets.get(idx, 0))
                 if c.finished:
                     done.add(idx)
                 yield sse(_chunk(job, [choice], include_usage))
@@ -187,6 +187,15 @@ async def _stream(job: _Job, streams: list[RequestStream]) -> AsyncIterator[str]
     if include_usage:
         yield sse(_chunk(job, [], include_usage, Usage.of(num_prompt_tokens, num_output_tokens)))
     yield DONE
+
+
+def _end_offset(choice: CompletionChoice, start: int) -> int:
+    """Where the next chunk's text_offset starts: after this chunk's tokens as text_offset counts
+    them (so streamed offsets equal a whole response's, an echoed BOS token included)."""
+    lp = choice.logprobs
+    if lp is None or not lp.tokens:
+        return start + len(choice.text)
+    return lp.text_offset[-1] + len(lp.tokens[-1])
 
 
 def _chunk(job: _Job, choices: list[CompletionChoice], include_usage: bool, usage: Usage | None = None) -> dict:

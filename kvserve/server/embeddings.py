@@ -37,7 +37,8 @@ async def create_embedding(state: ServerState, request: Request, req: EmbeddingR
                             f"embeddings), got {req.dimensions}", "dimensions", "invalid_value")
     params = PoolingParams(normalize=req.normalize)
     state.admit(len(inputs))
-    prompts = [await _tokenize(state, x, req.add_special_tokens, i, len(inputs) > 1) for i, x in enumerate(inputs)]
+    batch = not (isinstance(req.input, str) or isinstance(req.input[0], int))  # errors name input[i]
+    prompts = [await _tokenize(state, x, req.add_special_tokens, i, batch) for i, x in enumerate(inputs)]
     rid = f"embd-{uuid.uuid4().hex}"
     streams = _submit(state, prompts, params, rid, arrival)
     finals = await unless_disconnected(request, _collect(streams))
@@ -53,16 +54,14 @@ async def _tokenize(state: ServerState, x: str | list[int], add_special_tokens: 
                     batch: bool) -> list[int]:
     """One input as validated token ids that fit the context, a 400 naming it otherwise."""
     param = f"input[{index}]" if batch else "input"
-    if isinstance(x, str):
-        if not x:
-            raise APIError(400, f"{param} is empty", param, "invalid_input")
-        ids = await state.engine.encode(x, add_special_tokens)
-    else:
-        ids = x
-    try:
-        ids = state.engine.engine.tokenize(ids)  # validates the ids (a text's encode is never empty)
-    except ValueError as e:
-        raise APIError(400, f"{param}: {e}", param, "invalid_input") from None
+    if not x:
+        raise APIError(400, f"{param} is empty", param, "invalid_input")
+    ids = await state.engine.encode(x, add_special_tokens) if isinstance(x, str) else x
+    vocab = state.vocab_size
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:  # a tokenizer's added tokens past the embedding, or ids sent as such
+        raise APIError(400, f"{param} has token id {bad}, outside the vocabulary [0, {vocab})", param,
+                       "invalid_input")
     if len(ids) > state.max_model_len:
         raise APIError(400, f"{param} has {len(ids)} tokens; this model's context (max_model_len) is "
                             f"{state.max_model_len}", param, "context_length_exceeded")
