@@ -82,8 +82,9 @@ class Sequence:
     # registered for others.
     skip_reading_prefix_cache: bool = False
     # An embedding request (kvserve/pooling_params.py): it runs its prompt and samples nothing.
-    # `pooling` is its PoolerConfig with the request's settings applied; `pooled` the running sum
-    # (MEAN) or the last row (LAST) of its hidden states, then the embedding (torch tensors).
+    # `pooling` is its PoolerConfig with the request's settings applied; `pooled` is (the running
+    # sum (MEAN) or the last row (LAST) of its hidden states, the prompt rows in it), then the
+    # finished embedding as a list of floats.
     pooling: Any = field(default=None, repr=False)
     pooled: Any = field(default=None, repr=False)
     # Set by the engine when the request is added. `generator` is a torch.Generator for a
