@@ -166,7 +166,9 @@ async def _stream(job: _Job, streams: list[RequestStream]) -> AsyncIterator[str]
                 idx = i * req.n + c.index
                 echo = None
                 if req.echo and idx not in offsets:  # this choice's first chunk: the prompt first
-                    echo = echoes[i] if i in echoes else echoes.setdefault(i, job.echo(i, out))
+                    if i not in echoes:
+                        echoes[i] = job.echo(i, out)
+                    echo = echoes[i]
                 elif idx in done or not (c.delta_text or c.finished or (req.logprobs is not None and c.delta_token_ids)):
                     continue
                 if idx in done or (req.echo_only and not c.finished):
