@@ -2,7 +2,8 @@
 from kvserve.config import EngineConfig
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.llm import LLM
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "PoolingParams", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"

@@ -7,7 +7,7 @@ import logging
 import sys
 import time
 
-from kvserve.argtypes import positive_int
+from kvserve.argtypes import json_object, positive_int
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -131,6 +131,9 @@ def _add_serve_parser(sub) -> None:
                      help="the engine's seed: requests without a seed draw theirs from it in arrival order, so a "
                           "server started with the same seed and sent the same requests samples the same tokens "
                           "(default: unseeded requests use the process's random state)")
+    srv.add_argument("--pooler-config", type=json_object, default=None, metavar="JSON",
+                     help='/v1/embeddings pooling, e.g. \'{"pooling_type": "MEAN", "normalize": true}\' '
+                          '(default: LAST, normalized)')
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
@@ -437,7 +440,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           use_kv_cache=not args.no_kv_cache, kv_cache_gib=args.kv_cache_gib,
                           max_model_len=args.max_model_len, num_threads=args.threads,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          seed=args.seed, **decoding_config(args))
+                          seed=args.seed, pooler_config=args.pooler_config, **decoding_config(args))
     server_limits = {k: getattr(args, k) for k in ("max_queue", "max_body_bytes") if getattr(args, k) is not None}
     opts = ServeOptions(host=args.host, port=args.port, served_model_name=args.served_model_name,
                         api_key=resolve_api_key(args.api_key, args.api_key_file),

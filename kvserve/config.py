@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from kvserve.loading.hub import parse_hub_name
 from kvserve.loading.loader import DTYPES
 from kvserve.model.attention import KV_CACHE_DTYPES
+from kvserve.pooling_params import PoolerConfig
 
 DEVICES = ("cpu", "cuda")
 SPECULATIVE = ("ngram", "draft", "self")
@@ -244,6 +245,10 @@ class EngineConfig:
     # with the same seed sample the same tokens, whatever ran beside them. None: such requests
     # share the process's torch random state.
     seed: int | None = None
+    # Embedding requests (PoolingParams, /v1/embeddings): how the final hidden states become one
+    # vector, a PoolerConfig or a dict of its fields (vLLM's `--pooler-config`): pooling_type
+    # "LAST" (default) or "MEAN", normalize (default True). Made a PoolerConfig at construction.
+    pooler_config: PoolerConfig | dict | None = None
     # The parts, made by __post_init__ from the fields above (not constructor arguments).
     cache_config: CacheConfig = field(init=False, repr=False, compare=False)
     scheduler_config: SchedulerConfig = field(init=False, repr=False, compare=False)
@@ -265,6 +270,7 @@ class EngineConfig:
         _flag(self, "enforce_eager", "allow_download")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        self.pooler_config = PoolerConfig.of(self.pooler_config)
         if self.weights == "fp32":  # llama.cpp's name for unquantized fp32 weights
             if self.dtype not in ("float32", "fp32", "auto"):
                 raise ValueError(f"weights 'fp32' contradicts dtype {self.dtype!r}: use weights='float'")

@@ -10,9 +10,10 @@ from tqdm import tqdm
 
 from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.outputs import EmbeddingRequestOutput, RequestOutput
 from kvserve.loading import LoadedModel
 from kvserve.loading.chat_template import ChatTemplate, chat_template_for, read_chat_template
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -38,7 +39,7 @@ class LLM:
         """Run every prompt to completion (batched by the scheduler); outputs in prompt order.
         `sampling_params`: one for all prompts, or one per prompt (default: SamplingParams())."""
         prompts = _as_list(prompts)
-        plist = _params_list(sampling_params, len(prompts))
+        plist = _list_of(sampling_params, len(prompts), SamplingParams)
         ids: list[str] = []
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(prompts), desc="requests", unit="req", disable=not use_tqdm)
@@ -88,6 +89,28 @@ class LLM:
         for out, text in zip(outputs, texts):
             out.prompt = text
         return outputs
+
+    def embed(self, prompts: Prompt | Sequence[Prompt],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (vLLM's `LLM.embed`: `outputs[i].outputs.embedding`), pooled
+        as the engine's `pooler_config` says; prompts batch like generate's."""
+        prompts = _as_list(prompts)
+        plist = _list_of(pooling_params, len(prompts), PoolingParams)
+        ids: list[str] = []
+        done: dict[str, EmbeddingRequestOutput] = {}
+        try:
+            for p, pp in zip(prompts, plist):
+                ids.append(self.engine.add_request(p, pp))
+            while self.engine.has_unfinished():
+                done.update((out.request_id, out) for out in self.engine.step() if out.finished)
+        except BaseException:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        for rid in ids:
+            if done[rid].error is not None:
+                raise RuntimeError(f"embedding request {rid} failed: {done[rid].error}")
+        return [done[r] for r in ids]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Generate one prompt, yielding an output (with `delta_text`) after every step."""
@@ -153,12 +176,13 @@ def _message(m, where: str) -> dict:
     return {**m, "role": role, "content": content if content is not None else ""}
 
 
-def _params_list(params, n: int) -> list[SamplingParams]:
+def _list_of(params, n: int, kind: type) -> list:
+    """One params object per prompt: None (defaults), one shared, or one each."""
     if params is None:
-        return [SamplingParams() for _ in range(n)]
-    if isinstance(params, SamplingParams):
+        return [kind() for _ in range(n)]
+    if isinstance(params, kind):
         return [params] * n
     plist = list(params)
     if len(plist) != n:
-        raise ValueError(f"got {len(plist)} SamplingParams for {n} prompts")
+        raise ValueError(f"got {len(plist)} {kind.__name__} for {n} prompts")
     return plist

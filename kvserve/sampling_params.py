@@ -11,6 +11,8 @@ from typing import Any
 GREEDY_TEMPERATURE_EPS = 1e-5
 # Same default cap as vLLM's `max_logprobs` and OpenAI's `top_logprobs`.
 MAX_LOGPROBS = 20
+# OpenAI's range for a logit_bias value.
+MAX_LOGIT_BIAS = 100.0
 
 
 def _check_int(name: str, value: Any, *, optional: bool = False) -> None:
@@ -67,6 +69,12 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    # vLLM's prompt_logprobs: for every prompt token after the first, its logprob and the
+    # top-N alternatives (RequestOutput.prompt_logprobs); 0 gives the prompt token's alone.
+    prompt_logprobs: int | None = None
+    # OpenAI's logit_bias: token id -> a value in [-100, 100] added to that token's logit before
+    # penalties and sampling (reported logprobs stay those of the raw logits, as vLLM's).
+    logit_bias: dict[int, float] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -75,6 +83,7 @@ class SamplingParams:
         self._validate_counts()
         self._validate_floats()
         self._validate_stops()
+        self._validate_logit_bias()
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             _check_bool(name, getattr(self, name))
         if not isinstance(self.output_kind, RequestOutputKind):
@@ -101,6 +110,9 @@ class SamplingParams:
         _check_int("logprobs", self.logprobs, optional=True)
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        _check_int("prompt_logprobs", self.prompt_logprobs, optional=True)
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
 
     def _validate_floats(self) -> None:
         self.temperature = _check_float("temperature", self.temperature)
@@ -153,6 +165,24 @@ class SamplingParams:
             if t < 0:
                 raise ValueError(f"stop_token_ids must be >= 0, got {t}")
         self.stop_token_ids = ids
+
+    def _validate_logit_bias(self) -> None:
+        """Token ids >= 0 (the vocabulary's upper bound is the engine's to check) and finite
+        values in [-100, 100]; stored as a new dict of int -> float."""
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(bias).__name__}")
+        out: dict[int, float] = {}
+        for token, value in bias.items():
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
+            value = _check_float("logit_bias", value)
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {value:g} for token {token}")
+            out[token] = value
+        self.logit_bias = out or None
 
     @property
     def greedy(self) -> bool:

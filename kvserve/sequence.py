@@ -29,6 +29,16 @@ class SequenceStatus(enum.Enum):
 
 
 @dataclass
+class Logprob:
+    """One token's log-probability at one position (vLLM's shape): its rank in the vocabulary
+    at that position (1: the most likely) and its text alone."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
 class Sequence:
     seq_id: int
     request_id: str
@@ -64,6 +74,19 @@ class Sequence:
     # Extra block-hash keys (a tenant's cache salt): prefix blocks are shared only among
     # sequences carrying the same keys.
     cache_salt: tuple = ()
+    # vLLM's prompt logprobs (params.prompt_logprobs set): [None, then per prompt token after the
+    # first {token id: Logprob} of it and its top alternatives], filled as prefill chunks run.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # A prefix-cache hit supplies K/V but no hidden states: a sequence that needs every prompt
+    # row's (prompt logprobs, mean pooling) computes its prompt whole. Its blocks are still
+    # registered for others.
+    skip_reading_prefix_cache: bool = False
+    # An embedding request (kvserve/pooling_params.py): it runs its prompt and samples nothing.
+    # `pooling` is its PoolerConfig with the request's settings applied; `pooled` is (the running
+    # sum (MEAN) or the last row (LAST) of its hidden states, the prompt rows in it), then the
+    # finished embedding as a list of floats.
+    pooling: Any = field(default=None, repr=False)
+    pooled: Any = field(default=None, repr=False)
     # Set by the engine when the request is added. `generator` is a torch.Generator for a
     # seeded sample (typed Any so that this module stays torch-free).
     generator: Any = field(default=None, repr=False)
@@ -74,6 +97,14 @@ class Sequence:
     text_parts: list[str] = field(default_factory=list, repr=False)
     num_text_parts_reported: int = 0
     num_tokens_reported: int = 0
+
+    @property
+    def wants_prompt_rows(self) -> bool:
+        """Its prompt rows' hidden states are still needed: prompt logprobs not yet all there,
+        or an embedding request (it computes nothing else)."""
+        if self.pooling is not None:
+            return True
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -35,6 +35,7 @@ from typing import Callable, Protocol
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.metrics import RequestMetrics
 from kvserve.engine.outputs import CompletionOutput, RequestOutput, error_reference
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -128,7 +129,8 @@ def _with_earlier(out: RequestOutput, earlier: RequestOutput, delta: bool) -> Re
                 if c.logprobs is not None:
                     c.logprobs, c.top_logprobs = e.logprobs + c.logprobs, e.top_logprobs + c.top_logprobs
         merged.append(c)
-    return dataclasses.replace(out, outputs=merged)
+    # A DELTA request's prompt logprobs come in one output: keep them if that one went unread.
+    return dataclasses.replace(out, outputs=merged, prompt_logprobs=out.prompt_logprobs or earlier.prompt_logprobs)
 
 
 @dataclass
@@ -150,7 +152,7 @@ class _Stream:
 class _Add:
     stream: _Stream
     prompt: str | list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     cache_salt: str | None = None
     deadline: float | None = None
 
@@ -302,12 +304,26 @@ class AsyncLLMEngine:
         arrived, so TTFT includes tokenization as vLLM defines it."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        return self._submit(prompt, params, request_id, arrival_time, cache_salt, deadline,
+                            params.output_kind is RequestOutputKind.DELTA, params.n)
+
+    def embed(self, prompt: str | list[int], params: PoolingParams, request_id: str,
+              arrival_time: float | None = None, cache_salt: str | None = None,
+              deadline: float | None = None) -> RequestStream:
+        """Submit an embedding request; its one output is an EmbeddingRequestOutput (or, if the
+        server aborts it, a RequestOutput whose finish_reason is "abort")."""
+        if not isinstance(params, PoolingParams):
+            raise ValueError(f"params must be PoolingParams, got {type(params).__name__}")
+        return self._submit(prompt, params, request_id, arrival_time, cache_salt, deadline, False, 1)
+
+    def _submit(self, prompt: str | list[int], params: SamplingParams | PoolingParams, request_id: str,
+                arrival_time: float | None, cache_salt: str | None, deadline: float | None, delta: bool,
+                n: int) -> RequestStream:
         loop = asyncio.get_running_loop()
         ids = list(prompt) if not isinstance(prompt, str) else None
         arrival = self.engine.clock() if arrival_time is None else arrival_time
-        delta = params.output_kind is RequestOutputKind.DELTA
         mailbox = _Mailbox(delta, self.max_unread_tokens, lambda: self._give_up(request_id))
-        stream = _Stream(request_id, loop, mailbox, params.n, ids, arrival, delta)
+        stream = _Stream(request_id, loop, mailbox, n, ids, arrival, delta)
         with self._cv:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")

@@ -317,7 +317,7 @@ class BlockManager:
     def _lookup(self, seq: Sequence) -> list[list[int]] | None:
         """Per group, the pages of seq's longest usable cached prefix (NULL_BLOCK where a
         sliding group needs none); None when nothing hits."""
-        if not self.enable_prefix_caching or not self._is_first_allocation(seq):
+        if not self.enable_prefix_caching or seq.skip_reading_prefix_cache or not self._is_first_allocation(seq):
             return None
         # Never the whole sequence: the last known token must be recomputed for its logits.
         max_blocks = (seq.num_tokens - 1) // self.block_size
@@ -340,13 +340,15 @@ class BlockManager:
         Walks seq's full blocks from where a hit would end today while they are in flight
         elsewhere (or cached behind an in-flight block), stopping where a hit would stop (the
         last known token is never a hit). 0 when the next block is not in flight, when seq
-        already holds blocks, or without prefix caching. Hashes alone decide, without the
+        already holds blocks, without prefix caching, or for a sequence that reads no cached prefix
+        (`skip_reading_prefix_cache`). Hashes alone decide, without the
         token-by-token check of a hit: the scheduler asks this of every waiting sequence each
         step, and a collision would only delay seq a step, never make it read wrong K/V. Past
         the hit, group 0's map stands for every group (with sliding groups a pending block may
         still fall short of a hit: again only a delay).
         """
-        if not self._inflight or not self.enable_prefix_caching or not self._is_first_allocation(seq):
+        if (not self._inflight or not self.enable_prefix_caching or seq.skip_reading_prefix_cache
+                or not self._is_first_allocation(seq)):
             return 0
         max_blocks = (seq.num_tokens - 1) // self.block_size
         if max_blocks == 0:

@@ -14,6 +14,7 @@ import random
 import time
 
 import torch
+import torch.nn.functional as F
 
 from kvserve.config import EngineConfig
 from kvserve.engine import builder, input_processor, step_batch
@@ -23,9 +24,11 @@ from kvserve.engine.output_processor import OutputProcessor, RequestState
 from kvserve.engine.outputs import RequestOutput, error_reference
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.loading import LoadedModel
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling import Sampler, SamplerOutput
+from kvserve.sampling.prompt_logprobs import prompt_logprobs
 from kvserve.sampling_params import SamplingParams
-from kvserve.sequence import Sequence, SequenceStatus
+from kvserve.sequence import Logprob, Sequence, SequenceStatus
 from kvserve.speculative.decoder import DraftTarget, SpeculativeDecoder, Verified
 from kvserve.speculative.proposers import Drafter
 
@@ -102,11 +105,15 @@ class LLMEngine:
         """Text or token ids -> validated token ids (every id must index the embedding)."""
         return input_processor.tokenize(prompt, self.tokenizer, self.model_config.vocab_size)
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+    def add_request(self, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
                     cache_salt: str | None = None, deadline: float | None = None) -> str:
         """Queue a request (text or token ids). Raises ValueError for an empty prompt, a prompt
         that leaves no room to generate within max_model_len, or a duplicate request id.
+
+        PoolingParams make it an embedding request: its prompt runs (prefill only, pooled as
+        `config.pooler_config` says), it samples nothing, its blocks are freed when it finishes,
+        and its one output is an EmbeddingRequestOutput.
 
         `cache_salt`: mixed into every block hash of the request, so it shares cached prefixes
         only with requests carrying the same salt (one tenant's prompts cannot be probed by
@@ -118,11 +125,18 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         ids = self.tokenize(prompt)
-        input_processor.check_prompt_fits(ids, self.max_model_len)
-        seqs = input_processor.new_sequences(self._seq_ids, request_id, ids, params, arrival, cache_salt,
-                                             self.config.device, self._engine_seed(params))
-        self.output_processor.attach(seqs, params, ids)
-        self.spec_decoder.attach(seqs)
+        pooling = isinstance(params, PoolingParams)
+        input_processor.check_token_args(params, self.model_config.vocab_size, self.model_config.hidden_size)
+        input_processor.check_prompt_fits(ids, self.max_model_len, pooling)
+        if pooling:
+            seqs = [input_processor.pooling_sequence(next(self._seq_ids), request_id, ids, params,
+                                                     self.config.pooler_config, arrival, cache_salt)]
+            params = seqs[0].params
+        else:
+            seqs = input_processor.new_sequences(self._seq_ids, request_id, ids, params, arrival, cache_salt,
+                                                 self.config.device, self._engine_seed(params))
+            self.output_processor.attach(seqs, params, ids)
+            self.spec_decoder.attach(seqs)
         req = RequestState(request_id, prompt if isinstance(prompt, str) else None, ids, params, seqs,
                        RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(ids)), deadline=deadline)
         self.requests[request_id] = req
@@ -203,6 +217,8 @@ class LLMEngine:
                 self.scheduler.finish(s)
                 self.output_processor.expire(s)
                 s.finish(SequenceStatus.FINISHED_LENGTH, now)
+            if req.seqs[0].pooling is not None:  # no partial embedding to give
+                req.error, req.error_status = "the request timed out before its embedding was computed", 408
             touched.add(rid)
 
     def _fail_request(self, request_id: str, exc: BaseException, touched: set[str]) -> None:
@@ -229,7 +245,10 @@ class LLMEngine:
         batch = step_batch.build_batch(sched, drafts, self.clock())
         self.num_prompt_tokens_computed += batch.num_prompt_tokens
         samplers, rows, picked = batch.samplers, batch.rows, None
-        if step_batch.argmax_only(batch, self.sampler):
+        if batch.hidden:  # prompt logprobs or embeddings: hidden states besides the logits
+            logits, hidden = self.runner.execute_hidden(batch.inputs)
+            self._take_hidden(batch, hidden, touched)
+        elif step_batch.argmax_only(batch, self.sampler):
             tokens, logits = self.runner.execute_greedy(batch.inputs)  # tokens without the full logits
             picked = None if tokens is None else tokens.tolist()
         else:
@@ -260,6 +279,57 @@ class LLMEngine:
                 step_batch.sample_isolating(self.sampler, logits, group_rows, seqs,
                                             functools.partial(self._append_sampled, touched=touched),
                                             functools.partial(self._fail_request, touched=touched))
+
+    def _take_hidden(self, batch: step_batch.StepBatch, hidden: torch.Tensor, touched: set[str]) -> None:
+        """Prompt logprobs and embeddings from this pass's hidden rows; a failure ends only its
+        own request."""
+        for h in batch.hidden:
+            seq = h.seq
+            if seq.finished:
+                continue
+            try:
+                rows = hidden[h.first:h.first + h.count]
+                if seq.pooling is None:
+                    self._record_prompt_logprobs(seq, h.start, rows)
+                else:
+                    self._pool(seq, h, rows, touched)
+            except Exception as exc:
+                self._fail_request(seq.request_id, exc, touched)
+
+    def _record_prompt_logprobs(self, seq: Sequence, start: int, rows: torch.Tensor) -> None:
+        """Score the prompt tokens after positions start.. (row i predicts token start + 1 + i)."""
+        targets = seq.prompt_token_ids[start + 1:start + 1 + rows.shape[0]]
+        scored = prompt_logprobs(rows, targets, seq.params.prompt_logprobs, self.runner.model.compute_logits)
+        for pos, (token, r) in enumerate(zip(targets, scored), start):
+            if pos + 1 != len(seq.prompt_logprobs):
+                continue  # scored before (not reached: the batch asks for new positions only)
+            entry = {token: Logprob(r.logprob, r.rank, self._token_text(token))}
+            for rank, (tid, lp) in enumerate(zip(r.top_ids, r.top_logprobs), 1):
+                entry.setdefault(tid, Logprob(lp, rank, self._token_text(tid)))
+            seq.prompt_logprobs.append(entry)
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _pool(self, seq: Sequence, h: step_batch.HiddenRows, rows: torch.Tensor, touched: set[str]) -> None:
+        """Add this pass's rows to the embedding (a running sum for MEAN, the row for LAST);
+        after the prompt's last chunk: normalize, finish, free the blocks."""
+        total, done = seq.pooled if seq.pooled is not None else (None, 0)
+        if h.count:
+            mean = seq.pooling.pooling_type == "MEAN"
+            part = rows.float().sum(dim=0) if mean else rows[-1].float()
+            total = total + part if mean and total is not None else part
+            done = h.start + h.count
+        seq.pooled = (total, done)
+        if not h.ends_prompt:
+            return
+        emb = total / seq.num_prompt_tokens if seq.pooling.pooling_type == "MEAN" else total
+        if seq.pooling.normalize:
+            emb = F.normalize(emb, dim=0)
+        seq.pooled = emb.tolist()
+        seq.finish(SequenceStatus.FINISHED_STOPPED, self.clock())
+        self.scheduler.finish(seq)
+        touched.add(seq.request_id)
 
     def _append_sampled(self, seqs: list[Sequence], out: SamplerOutput, touched: set[str]) -> None:
         now = self.clock()

@@ -35,10 +35,18 @@ class StepInput:
     needs_logits: bool = True
     num_logits: int = 1  # logits for this many last tokens (1 + k when verifying k draft tokens)
     group_tables: Seq[Seq[int]] = ()
+    # Final hidden states of the `num_hidden` rows just before the logit rows (prompt logprobs,
+    # embeddings: `ModelRunner.execute_hidden`); 0 on the plain path.
+    num_hidden: int = 0
 
     @property
     def tables(self) -> list[Seq[int]]:
         return [self.block_table, *self.group_tables]
+
+    @property
+    def num_kept(self) -> int:
+        """Rows whose final hidden states the pass returns: the hidden rows, then the logit rows."""
+        return (self.num_logits if self.needs_logits else 0) + self.num_hidden
 
 
 class ModelRunner:
@@ -73,8 +81,9 @@ class ModelRunner:
 
     def prepare(self, inputs: Seq[StepInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Flatten the step: input_ids, positions [T]; per KV layer group the slot_mapping [T]
-        and per-sequence attention views; indices [num_logits] of the rows whose logits are
-        needed (each sequence's last `num_logits` tokens, in input order)."""
+        and per-sequence attention views; indices of the rows whose final hidden states are
+        needed (each sequence's last `num_kept` tokens: its logit rows, after its hidden rows
+        when it asks for some; in input order)."""
         bs, num_groups = self.block_size, self.kv_cache.num_groups
         ids, positions, logit_rows = [], [], []
         slots: list[list[int]] = [[] for _ in range(num_groups)]
@@ -106,10 +115,13 @@ class ModelRunner:
                     ctx_slots = self._ctx_slots(table, end)
                     slots[g].extend(ctx_slots[inp.start_pos:end].tolist())
                     seqs[g].append(SeqAttention(q_start, n, ctx_slots, masks))
-            if inp.needs_logits:
-                if not 1 <= inp.num_logits <= n:
-                    raise ValueError(f"num_logits must be in [1, {n}], got {inp.num_logits}")
-                logit_rows.extend(range(q_start + n - inp.num_logits, q_start + n))
+            if inp.needs_logits and not 1 <= inp.num_logits <= n:
+                raise ValueError(f"num_logits must be in [1, {n}], got {inp.num_logits}")
+            kept = inp.num_kept
+            if kept:
+                if inp.num_hidden < 0 or kept > n:
+                    raise ValueError(f"{inp.num_hidden} hidden rows and the logit rows exceed the {n} tokens fed")
+                logit_rows.extend(range(q_start + n - kept, q_start + n))
         batches = self._decode_batches(decodes, num_groups)
         metas = [AttentionMetadata(slot_mapping=self._tensor(slots[g]), seqs=seqs[g], decode=batches[g])
                  for g in range(num_groups)]
@@ -166,6 +178,25 @@ class ModelRunner:
             return None, hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
         return None, self.model.compute_logits(hidden, upcast=False)
 
+    @torch.inference_mode()
+    def execute_hidden(self, inputs: Seq[StepInput]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A forward pass where some inputs want `num_hidden` rows' final hidden states besides
+        their logits: (logits [logit rows, vocab] as `execute` returns them, hidden [sum of
+        num_hidden, hidden] in input order). The plain paths (captured graphs, the greedy
+        screen) are skipped: they keep the logit rows only."""
+        hidden = self._forward(inputs, None)
+        logit_idx: list[int] = []
+        hidden_idx: list[int] = []
+        at = 0
+        for inp in inputs:
+            hidden_idx.extend(range(at, at + inp.num_hidden))
+            logit_idx.extend(range(at + inp.num_hidden, at + inp.num_kept))
+            at += inp.num_kept
+        rows = hidden.index_select(0, self._tensor(hidden_idx))
+        if not logit_idx:
+            return hidden.new_empty((0, self.model.config.vocab_size)), rows
+        return self.model.compute_logits(hidden.index_select(0, self._tensor(logit_idx)), upcast=False), rows
+
     def _replay(self, inputs: Seq[StepInput], num_layers: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(argmax tokens, logits) of a plain decode step from its captured CUDA graph; None
         where there is none (not CUDA, an early exit, a step that is not plain decode)."""
@@ -193,16 +224,16 @@ class ModelRunner:
 
     def _kept_rows(self, inputs: Seq[StepInput], meta: AttentionMetadata, logit_rows: torch.Tensor,
                    num_rows: int) -> KeptRows | None:
-        """The attention metadata of the logit rows alone (each sequence's last num_logits
-        queries), for the last layer; None where every row needs logits (decode steps), a decode
-        row needs none, or StreamingLLM's attention owns the step."""
+        """The attention metadata of the kept rows alone (each sequence's last num_kept
+        queries: its hidden rows and logit rows), for the last layer; None where every row is
+        kept (decode steps), a decode row is not, or StreamingLLM's attention owns the step."""
         if self.stream_policies is not None or logit_rows.shape[0] == num_rows:
             return None
         spans: list[tuple[int, int]] = []  # (first kept row, kept rows) of each multi-token input
         decode_rows: list[int] = []
         kept = 0
         for inp in inputs:
-            k = inp.num_logits if inp.needs_logits else 0
+            k = inp.num_kept
             if len(inp.token_ids) == 1:  # a decode row (prepare's rule): in the step's DecodeBatch
                 if k == 0:
                     return None

@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.engine.metrics import RequestMetrics
-from kvserve.engine.outputs import CompletionOutput, RequestOutput
+from kvserve.engine.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from kvserve.sampling.detokenizer import IncrementalDetokenizer
 from kvserve.sampling.stop import StopChecker, StopResult
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
-from kvserve.sequence import Sequence
+from kvserve.sequence import Logprob, Sequence, SequenceStatus
 
 
 @dataclass
@@ -29,6 +29,7 @@ class RequestState:
     error: str | None = None
     error_status: int = 400  # 400: the request itself is bad; 500: the engine failed on it
     deadline: float | None = None  # engine clock: past it, the request finishes with "length"
+    prompt_logprobs_reported: bool = False  # a DELTA request's prompt logprobs went out
 
     @property
     def finished(self) -> bool:
@@ -58,6 +59,8 @@ class OutputProcessor:
 
     def expire(self, seq: Sequence) -> None:
         """A deadline passed: release what the stop checker and the detokenizer hold back."""
+        if seq.pooling is not None:
+            return  # an embedding has no text
         self._emit(seq, seq.stop_checker.expire())
         self._emit(seq, seq.detokenizer.flush())
 
@@ -81,19 +84,37 @@ class OutputProcessor:
                 del requests[rid]
         return outputs
 
-    def make_output(self, req: RequestState) -> RequestOutput | None:
+    def make_output(self, req: RequestState) -> RequestOutput | EmbeddingRequestOutput | None:
         kind = req.params.output_kind
-        if kind is RequestOutputKind.FINAL_ONLY and not req.finished:
-            return None
-        comps = [self._completion(s, kind) for s in req.seqs]
-        m = req.metrics
         lead = req.seqs[0]
+        if (kind is RequestOutputKind.FINAL_ONLY or lead.pooling is not None) and not req.finished:
+            return None
+        m = req.metrics
         m.token_times = lead.token_times  # the sequence's own list: no copy per step
         m.first_scheduled_time = lead.first_scheduled_time
         if req.finished:
             m.finished_time = max((s.finished_time or 0.0) for s in req.seqs)
+        if lead.pooling is not None:
+            done = lead.status is SequenceStatus.FINISHED_STOPPED and isinstance(lead.pooled, list)
+            return EmbeddingRequestOutput(req.request_id, req.prompt, req.prompt_token_ids,
+                                          EmbeddingOutput(lead.pooled) if done else None, True, m, req.error,
+                                          req.error_status)
+        comps = [self._completion(s, kind) for s in req.seqs]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps, req.finished, m, req.error,
-                             req.error_status)
+                             req.error_status, prompt_logprobs=self._prompt_logprobs(req, kind))
+
+    @staticmethod
+    def _prompt_logprobs(req: RequestState, kind: RequestOutputKind) -> list[dict[int, Logprob] | None] | None:
+        """The request's prompt logprobs once all are computed (the list itself: it no longer
+        changes); a DELTA request gets them in one output."""
+        lps = req.seqs[0].prompt_logprobs
+        if lps is None or len(lps) < len(req.prompt_token_ids):
+            return None
+        if kind is RequestOutputKind.DELTA:
+            if req.prompt_logprobs_reported:
+                return None
+            req.prompt_logprobs_reported = True
+        return lps
 
     @staticmethod
     def _completion(s: Sequence, kind: RequestOutputKind) -> CompletionOutput:

@@ -5,6 +5,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from kvserve.engine.metrics import RequestMetrics
+from kvserve.sequence import Logprob
 
 
 def error_reference() -> str:
@@ -39,6 +40,10 @@ class RequestOutput:
     metrics: RequestMetrics
     error: str | None = None
     error_status: int = 400  # with `error`: 400, the request is bad; 500, the engine failed on it
+    # SamplingParams.prompt_logprobs (vLLM's shape): None for the first prompt token, then per
+    # token {token id: Logprob} of it and its top alternatives. In every output once the prompt
+    # is computed; a DELTA request's first output only.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def text(self) -> str:
@@ -47,3 +52,23 @@ class RequestOutput:
     @property
     def token_ids(self) -> list[int]:
         return self.outputs[0].token_ids
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What an embedding request (PoolingParams) gives back, once, finished (vLLM's shape:
+    `output.outputs.embedding`). `outputs` is None when it failed (`error`) or was aborted."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput | None
+    finished: bool
+    metrics: RequestMetrics
+    error: str | None = None
+    error_status: int = 400

@@ -27,6 +27,18 @@ def sampling_request(seq: Sequence) -> SamplingRequest:
 
 
 @dataclass
+class HiddenRows:
+    """Final hidden states a sequence wants from this pass (prompt logprobs, an embedding):
+    `count` rows for positions start.., at `first` in `ModelRunner.execute_hidden`'s rows."""
+
+    seq: Sequence
+    first: int
+    start: int
+    count: int
+    ends_prompt: bool  # an embedding's chunk that ends its prompt: it finishes after this pass
+
+
+@dataclass
 class StepBatch:
     """One pass's inputs, one per scheduled chunk, and the logits rows the engine reads back."""
 
@@ -36,6 +48,8 @@ class StepBatch:
     spec: list[tuple[ScheduledSeq, int]] = field(default_factory=list)  # drafted items, their first row
     num_rows: int = 0  # logits rows of the pass
     num_prompt_tokens: int = 0  # prompt tokens that go through the model (not cache hits)
+    hidden: list[HiddenRows] = field(default_factory=list)  # empty on the plain path
+    num_hidden_rows: int = 0
 
 
 def build_batch(sched: SchedulerOutput, drafts: dict[int, Draft], now: float) -> StepBatch:
@@ -52,8 +66,12 @@ def build_batch(sched: SchedulerOutput, drafts: dict[int, Draft], now: float) ->
         if item.num_spec:
             tokens = tokens + drafts[id(item)].token_ids
         b.num_prompt_tokens += max(0, min(start + known, seq.num_prompt_tokens) - start)
-        b.inputs.append(StepInput(tokens, start, seq.block_table, item.needs_logits, max(1, item.num_logits),
-                                  group_tables=seq.group_block_tables))
+        needs_logits = item.needs_logits and seq.pooling is None  # an embedding samples nothing
+        num_hidden = _hidden_rows(b, seq, start, start + known) if seq.wants_prompt_rows else 0
+        b.inputs.append(StepInput(tokens, start, seq.block_table, needs_logits, max(1, item.num_logits),
+                                  group_tables=seq.group_block_tables, num_hidden=num_hidden))
+        if seq.pooling is not None:
+            continue
         if item.num_spec:
             b.spec.append((item, b.num_rows))
         elif item.needs_logits:
@@ -61,6 +79,32 @@ def build_batch(sched: SchedulerOutput, drafts: dict[int, Draft], now: float) ->
             b.rows.append(b.num_rows)
         b.num_rows += item.num_logits
     return b
+
+
+def _hidden_rows(b: StepBatch, seq: Sequence, start: int, end: int) -> int:
+    """How many of the chunk [start, end)'s last rows (just before its logit row) `seq` wants the
+    final hidden states of, recorded in `b.hidden`. Prompt logprobs: positions not yet scored
+    whose next token is in the prompt. An embedding: every row not yet pooled (MEAN), or the
+    prompt's last row (LAST); its chunk that ends the prompt is always recorded, so that it
+    finishes. Rows already used (a chunk computed again after preemption or a failed step) are
+    not asked for twice."""
+    n = seq.num_prompt_tokens
+    if end > n:
+        return 0  # past the prompt (not reached: prompt rows are done before any output)
+    if seq.pooling is None:
+        first, end = max(start, len(seq.prompt_logprobs) - 1), min(end, n - 1)
+        ends_prompt = False
+    else:
+        ends_prompt = end == n
+        if seq.pooling.pooling_type == "MEAN":
+            first = max(start, seq.pooled[1] if seq.pooled is not None else 0)
+        else:
+            first = end - 1 if ends_prompt else end
+    count = max(0, end - first)
+    if count or ends_prompt:
+        b.hidden.append(HiddenRows(seq, b.num_hidden_rows, first, count, ends_prompt))
+        b.num_hidden_rows += count
+    return count
 
 
 def argmax_only(b: StepBatch, sampler: Sampler) -> bool:

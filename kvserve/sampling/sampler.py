@@ -1,6 +1,6 @@
 """Batched token sampling: penalties, greedy/random selection, logprobs (vLLM semantics).
 
-Processing order per row (as vLLM): min_tokens masking -> repetition penalty ->
+Processing order per row (as vLLM): logit_bias -> min_tokens masking -> repetition penalty ->
 frequency/presence penalties -> greedy argmax, or temperature -> top-k -> top-p ->
 min-p -> sample. Logprobs are always computed from the raw logits.
 """
@@ -39,11 +39,13 @@ def _needs_min_tokens_mask(req: SamplingRequest) -> bool:
 
 
 def _needs_penalties(req: SamplingRequest) -> bool:
+    """The row's logits change before selection (so no greedy path may skip them)."""
     p = req.params
     return (
         p.repetition_penalty != 1.0
         or p.presence_penalty != 0.0
         or p.frequency_penalty != 0.0
+        or bool(p.logit_bias)
         or _needs_min_tokens_mask(req)
     )
 
@@ -59,9 +61,12 @@ def _plain_greedy(req: SamplingRequest) -> bool:
 
 
 def _penalize_row(row: torch.Tensor, req: SamplingRequest, eos_token_ids: Sequence[int]) -> None:
-    """Apply min_tokens masking and penalties to one row in place. row: [V]."""
+    """Apply logit_bias, min_tokens masking and penalties to one row in place. row: [V]."""
     p = req.params
     vocab = row.shape[0]
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=row.device)
+        row.index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device))
     if _needs_min_tokens_mask(req):
         # eos is masked even with ignore_eos: min_tokens promises that many real tokens.
         banned = [t for t in (*eos_token_ids, *p.stop_token_ids) if 0 <= t < vocab]
@@ -86,7 +91,7 @@ def _penalize_row(row: torch.Tensor, req: SamplingRequest, eos_token_ids: Sequen
 def apply_penalties(
     logits: torch.Tensor, requests: Sequence[SamplingRequest], eos_token_ids: Sequence[int]
 ) -> torch.Tensor:
-    """Return logits [N, V] after min_tokens masking and penalties.
+    """Return logits [N, V] after logit_bias, min_tokens masking and penalties.
 
     Returns the input tensor itself (no copy) when no row needs any of them.
     """

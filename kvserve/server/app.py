@@ -22,6 +22,7 @@ from kvserve.server.body import parse_body
 from kvserve.server.chat import create_chat_completion
 from kvserve.loading.chat_template import TemplateSource, chat_template_for
 from kvserve.server.completions import create_completion
+from kvserve.server.embeddings import create_embedding
 from kvserve.server.errors import APIError, error_body, install_handlers
 from kvserve.server.gateway import Gateway
 from kvserve.server.limits import RequestLimits
@@ -29,10 +30,16 @@ from kvserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    EmbeddingRequest,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 from kvserve.server.state import ServerState
+from kvserve.server.tokenize import detokenize, tokenize, tokenizer_info
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_QUEUE = 1024  # waiting requests before 429; well past what a CPU drains in minutes
@@ -87,6 +94,23 @@ def _add_api_routes(app: FastAPI, state: ServerState) -> None:
     async def chat_completions(request: Request) -> Response:
         body = await parse_body(request, ChatCompletionRequest, state.limits)
         return await _guarded(request, create_chat_completion(state, request, body))
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        body = await parse_body(request, EmbeddingRequest, state.limits)
+        return await _guarded(request, create_embedding(state, request, body))
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> TokenizeResponse:
+        return await tokenize(state, await parse_body(request, TokenizeRequest, state.limits))
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> DetokenizeResponse:
+        return await detokenize(state, await parse_body(request, DetokenizeRequest, state.limits))
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info_route() -> dict:
+        return tokenizer_info(state)
 
     def card() -> ModelCard:
         return ModelCard(id=state.model_name, created=state.created, max_model_len=state.max_model_len)

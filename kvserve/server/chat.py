@@ -17,8 +17,8 @@ from kvserve.engine.async_engine import RequestError, RequestStream
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.loading.chat_template import ChatTemplateError
 from kvserve.server.errors import APIError, error_body, from_request_error
-from kvserve.server.logprobs import chat_logprobs, delta_logprobs
-from kvserve.server.params import check_context, sampling_params
+from kvserve.server.logprobs import chat_logprobs, delta_logprobs, prompt_logprobs_wire
+from kvserve.server.params import check_context, check_logit_bias, sampling_params
 from kvserve.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -53,6 +53,7 @@ async def create_chat_completion(state: ServerState, request: Request, req: Chat
     rename = {"max_tokens": req.max_tokens_field, "logprobs": "top_logprobs"}
     state.limits.check(req.n, req.stop, req.stop_token_ids)
     params = sampling_params(req, req.max_new_tokens, (req.top_logprobs or 0) if req.logprobs else None, rename)
+    check_logit_bias(params, state.vocab_size)
     state.admit(req.n)  # before rendering and tokenizing
     ids = await _prompt_ids(state, req)
     check_context(len(ids), params.max_tokens, state.max_model_len, "messages", req.max_tokens_field)
@@ -109,7 +110,7 @@ def _response(job: _Job, out: RequestOutput) -> ChatCompletionResponse:
                           logprobs=job.logprobs(c.token_ids, c.logprobs or [], c.top_logprobs or []),
                           finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in out.outputs]
     return ChatCompletionResponse(id=job.id, created=job.created, model=job.state.model_name, choices=choices,
-                                  usage=_usage(out))
+                                  usage=_usage(out), prompt_logprobs=prompt_logprobs_wire(out.prompt_logprobs))
 
 
 def _usage(out: RequestOutput) -> Usage:

@@ -1,4 +1,5 @@
-"""Admission at the HTTP edge of the API routes (/v1/...), before any handler runs.
+"""Admission at the HTTP edge of the API routes (/v1/..., /tokenize, /detokenize,
+/tokenizer_info), before any handler runs.
 
 One pure ASGI middleware (not BaseHTTPMiddleware: that one buffers streaming responses
 through a task group and hides disconnects) that, for /v1/ requests:
@@ -33,7 +34,7 @@ class Gateway:
             if not _authorized(dict(scope["headers"]).get(b"authorization", b""), self.state.api_key):
                 await error_response(_unauthorized())(scope, receive, send)
                 return
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http" or not (scope["path"].startswith("/v1/") or scope["path"] in ROOT_API_PATHS):
             await self.app(scope, receive, send)
             return
         try:
@@ -67,6 +68,8 @@ class Gateway:
 
 
 OPS_PATHS = ("/metrics", "/stats")
+# vLLM's API routes outside /v1/ (the tokenizer's): admitted like /v1/ ones.
+ROOT_API_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 
 
 def _unauthorized() -> APIError:

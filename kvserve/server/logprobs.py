@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from kvserve.engine.outputs import CompletionOutput
 from kvserve.loading.tokenizer import Tokenizer
+from kvserve.sequence import Logprob
 from kvserve.server.protocol import (
     ChatLogprobs,
     CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
     TokenLogprob,
     TopLogprob,
 )
@@ -43,7 +46,10 @@ def completion_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: li
         text = token_text(tokenizer, tid)
         result.tokens.append(text)
         result.token_logprobs.append(lp)
-        result.top_logprobs.append({token_text(tokenizer, t): v for t, v in _with_sampled(alts, tid, lp).items()})
+        if lp is None and alts is None:  # an echoed prompt's first token: nothing predicts it
+            result.top_logprobs.append(None)
+        else:
+            result.top_logprobs.append({token_text(tokenizer, t): v for t, v in _with_sampled(alts, tid, lp).items()})
         result.text_offset.append(offset)
         offset += len(text)
     return result
@@ -64,3 +70,12 @@ def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[flo
         content.append(_entry(tokenizer, tid, lp, TokenLogprob,
                               top_logprobs=[_entry(tokenizer, t, v) for t, v in ranked]))
     return ChatLogprobs(content=content)
+
+
+def prompt_logprobs_wire(entries: list[dict[int, Logprob] | None] | None) -> PromptLogprobs | None:
+    """The engine's prompt logprobs as vLLM sends them: per prompt token (None for the first)
+    {token id: {logprob, rank, decoded_token}}."""
+    if entries is None:
+        return None
+    return [None if e is None else {t: PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token)
+                                    for t, lp in e.items()} for e in entries]

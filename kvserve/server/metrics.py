@@ -20,7 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.outputs import EmbeddingRequestOutput, RequestOutput
 
 PREFIX = "kvserve:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -90,19 +90,21 @@ class ServerMetrics:
         self._success = counter("request_success", "Finished requests by finish reason.", ["finished_reason"])
         self.registry.register(_EngineStatsCollector(stats, model_name))
 
-    def on_output(self, out: RequestOutput, first: bool) -> None:
+    def on_output(self, out: RequestOutput | EmbeddingRequestOutput, first: bool) -> None:
         """Called on the engine thread for every output (prometheus_client is thread-safe)."""
         if first:
             self.prompt_tokens.inc(len(out.prompt_token_ids))
+        if isinstance(out, EmbeddingRequestOutput):  # no tokens generated; one output, finished
+            self._finished(out, "stop" if out.outputs is not None else "error" if out.error else None)
+            return
         new_tokens = sum(len(c.delta_token_ids) for c in out.outputs)
         if new_tokens:
             self.generation_tokens.inc(new_tokens)
         if out.finished:
-            self._finished(out)
+            self._finished(out, out.outputs[0].finish_reason if out.outputs else None)
 
-    def _finished(self, out: RequestOutput) -> None:
+    def _finished(self, out: RequestOutput | EmbeddingRequestOutput, reason: str | None) -> None:
         m = out.metrics
-        reason = out.outputs[0].finish_reason if out.outputs else None
         self._success.labels(self.model_name, reason or "abort").inc()
         if m.ttft is not None:
             self.ttft.observe(m.ttft)

@@ -73,7 +73,7 @@ class _SamplingRequest(_Strict):
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     user: str | None = None  # an end-user id for abuse tracking: accepted, unused
     # vLLM extensions
     top_k: int | None = None
@@ -84,6 +84,7 @@ class _SamplingRequest(_Strict):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None  # each prompt token's logprob and the top-N (not streamed)
     # Prefix-cache isolation (vLLM's field): cached prefixes are shared only among requests with
     # the same salt.
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
@@ -92,8 +93,8 @@ class _SamplingRequest(_Strict):
     def _check_unsupported(self):
         if self.stream_options is not None and not self.stream:
             raise FieldError("stream_options", "is only allowed when stream is true")
-        if self.logit_bias:
-            raise FieldError("logit_bias", "is not supported")
+        if self.prompt_logprobs is not None and self.stream:
+            raise FieldError("prompt_logprobs", "is not available when stream is true (vLLM's rule)")
         return self
 
 
@@ -107,8 +108,8 @@ class CompletionRequest(_SamplingRequest):
 
     @model_validator(mode="after")
     def _check_completion(self):
-        if self.echo:
-            raise FieldError("echo", "is not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise FieldError("max_tokens", "must be >= 1 (0 only with echo: the prompt alone)")
         if self.suffix:
             raise FieldError("suffix", "is not supported")
         if self.best_of is not None and self.best_of != self.n:
@@ -116,6 +117,11 @@ class CompletionRequest(_SamplingRequest):
         if isinstance(self.prompt, list) and not self.prompt:
             raise FieldError("prompt", "is empty")
         return self
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs) alone, nothing generated."""
+        return self.echo and self.max_tokens == 0
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -214,12 +220,24 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = []
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob on the wire: one entry of `prompt_logprobs`."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM extension: the stop string or token that ended it
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM extension, when the request asks for it
 
 
 class CompletionResponse(BaseModel):
@@ -265,6 +283,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM extension, when the request asks for it
 
 
 class Delta(BaseModel):
@@ -300,3 +319,90 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# ------------------------------------------------------------------------------ tokenize, embeddings
+class TokenizeRequest(_Strict):
+    """vLLM's POST /tokenize: `prompt` (text) or `messages` (rendered by the chat template), not
+    both. `add_special_tokens` defaults as vLLM's: True for a prompt, False for messages (the
+    template writes BOS itself)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _check_input(self):
+        if self.prompt is not None and self.messages is not None:
+            raise FieldError("messages", "cannot be given with prompt: tokenize one or the other")
+        if self.prompt is None and self.messages is None:
+            raise FieldError("prompt", "is required (or messages, a conversation)")
+        if self.messages is not None and not self.messages:
+            raise FieldError("messages", "is empty")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class EmbeddingRequest(_Strict):
+    """OpenAI's POST /v1/embeddings: one input or a batch, as text or token ids."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    # vLLM extensions
+    normalize: bool | None = None  # None: the server's --pooler-config
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _check_input(self):
+        if isinstance(self.input, list) and not self.input:
+            raise FieldError("input", "is empty")
+        return self
+
+    @property
+    def inputs(self) -> list[str | list[int]]:
+        """The input(s) as a batch: a string, a token list, or a list of either."""
+        x = self.input
+        if isinstance(x, str) or isinstance(x[0], int):
+            return [x]
+        return list(x)
+
+
+class Embedding(BaseModel):
+    index: int
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str  # base64: the float32 values' little-endian bytes
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[Embedding]
+    usage: EmbeddingUsage

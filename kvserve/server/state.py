@@ -44,6 +44,11 @@ class ServerState:
     def max_model_len(self) -> int:
         return self.engine.engine.max_model_len
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model's embedding has (ids a request may name)."""
+        return self.engine.engine.model_config.vocab_size
+
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
             raise APIError(404, f"model {name!r} does not exist; this server serves {self.model_name!r}",

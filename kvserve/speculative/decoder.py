@@ -122,9 +122,9 @@ class SpeculativeDecoder:
     # ---------------------------------------------------------------- per sequence
     def attach(self, seqs: list[Sequence]) -> None:
         """A new request's samples: with a separate draft pool, each one's draft cache starts empty
-        (a prefix hit fills it); penalized ones never draft."""
+        (a prefix hit fills it); penalized or biased ones never draft."""
         for s in seqs:
-            if self.draft_runner is not None and not penalizes(s.params):
+            if self.draft_runner is not None and not penalizes(s.params) and not s.params.logit_bias:
                 s.num_draft_computed = 0
 
     def budget(self, seq: Sequence, max_model_len: int) -> int:
@@ -132,6 +132,8 @@ class SpeculativeDecoder:
         p = seq.params
         if self.drafter is None or penalizes(p):
             return 0  # penalties depend on every token before a position: decode plainly
+        if p.logit_bias:
+            return 0  # verification scores drafts on the raw logits
         if len(seq.output_token_ids) < p.min_tokens:
             return 0  # eos is masked per position until then: plain sampling handles it
         left = max_model_len if p.max_tokens is None else p.max_tokens - len(seq.output_token_ids)
