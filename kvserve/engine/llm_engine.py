@@ -16,6 +16,7 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.engine import builder, input_processor, step_batch
+from kvserve.engine.grammars import GrammarCompiles
 from kvserve.engine.metrics import RequestMetrics
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.output_processor import OutputProcessor, RequestState
@@ -23,6 +24,7 @@ from kvserve.engine.outputs import RequestOutput, error_reference
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.loading import LoadedModel
 from kvserve.sampling import Sampler, SamplerOutput
+from kvserve.sampling.structured import GrammarBackend
 from kvserve.sampling_params import SamplingParams
 from kvserve.sequence import Sequence, SequenceStatus
 from kvserve.speculative.decoder import DraftTarget, SpeculativeDecoder, Verified
@@ -65,6 +67,7 @@ class LLMEngine:
         self.scheduler = builder.scheduler(cfg.scheduler_config, cfg.speculative_config, self.block_manager,
                                            self.max_model_len)
         self.sampler = Sampler(self.tokenizer.eos_token_ids)
+        self.grammars = GrammarCompiles(GrammarBackend(self.tokenizer, mc.vocab_size))
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         if graphs:
             self.runner.graphs = builder.capture_cuda_graphs(self.loaded.model, self.kv_cache, cfg,
@@ -112,6 +115,8 @@ class LLMEngine:
         request_id = str(next(self._request_ids)) if request_id is None else request_id
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if params.structured_outputs is not None:  # a bad schema / regex / grammar: ValueError now
+            self.grammars.backend.check(params.structured_outputs)
         ids = self.tokenize(prompt)
         input_processor.check_prompt_fits(ids, self.max_model_len)
         seqs = input_processor.new_sequences(self._seq_ids, request_id, ids, params, arrival, cache_salt,
@@ -121,16 +126,45 @@ class LLMEngine:
         req = RequestState(request_id, prompt if isinstance(prompt, str) else None, ids, params, seqs,
                        RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(ids)), deadline=deadline)
         self.requests[request_id] = req
-        # n > 1: only the first sample is scheduled; the others fork from it once the prompt is
-        # computed, sharing its blocks by reference (copy-on-write on their first append).
-        self.scheduler.add(seqs[0])
+        if params.structured_outputs is None:
+            self.scheduler.add(seqs[0])
+        else:  # scheduled once its grammar is compiled (now, when cached)
+            compiled = self.grammars.submit(request_id, params.structured_outputs)
+            if compiled is not None:
+                self._start_constrained(req, compiled)
         return request_id
+
+    def _start_constrained(self, req: RequestState, compiled) -> None:
+        """Each sample gets its own matcher of the request's grammar, then the request is
+        scheduled. n > 1: only the first sample is scheduled; the others fork from it once the
+        prompt is computed, sharing its blocks by reference (copy-on-write on their first append)."""
+        for s in req.seqs:
+            s.grammar = self.grammars.backend.new_state(compiled)
+        self.scheduler.add(req.seqs[0])
+
+    def _admit_compiled(self, touched: set[str]) -> None:
+        """Requests whose grammar finished compiling start (or fail, 400, if it could not)."""
+        idle = not self.scheduler.has_unfinished
+        for rid, compiled, err in self.grammars.ready(idle):
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if err is None:
+                self._start_constrained(req, compiled)
+                continue
+            req.error = str(err) if isinstance(err, ValueError) else f"grammar compilation failed: {err!r}"
+            req.error_status = 400 if isinstance(err, ValueError) else 500
+            now = self.clock()
+            for s in req.seqs:
+                s.finish(SequenceStatus.FINISHED_ERROR, now)
+            touched.add(rid)
 
     def abort(self, request_id: str) -> bool:
         req = self.requests.get(request_id)
         if req is None:
             return False
         self.scheduler.abort(request_id)
+        self.grammars.discard(request_id)
         now = self.clock()
         for s in req.seqs:
             if not s.finished:
@@ -147,7 +181,7 @@ class LLMEngine:
         bm, sch = self.block_manager, self.scheduler
         return {
             "num_requests_running": sch.num_running,
-            "num_requests_waiting": sch.num_waiting,
+            "num_requests_waiting": sch.num_waiting + len(self.grammars),  # compiling counts as waiting
             "kv_cache_usage_perc": bm.usage(),
             "kv_blocks_total": self.num_blocks,  # pages of the one pool all layer groups share
             "kv_blocks_free": bm.num_free_blocks,
@@ -164,6 +198,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One scheduling iteration; returns an output for every request that changed."""
         touched: set[str] = set()
+        self._admit_compiled(touched)
         self._expire(self.clock(), touched)
         sched = self.scheduler.schedule()
         now = self.clock()
@@ -191,6 +226,7 @@ class LLMEngine:
                 self.scheduler.finish(s)
                 self.output_processor.expire(s)
                 s.finish(SequenceStatus.FINISHED_LENGTH, now)
+            self.grammars.discard(rid)
             touched.add(rid)
 
     def _fail_request(self, request_id: str, exc: BaseException, touched: set[str]) -> None:
@@ -204,6 +240,7 @@ class LLMEngine:
         req.error = f"internal engine error (log reference {ref})"
         req.error_status = 500
         self.scheduler.abort(request_id)
+        self.grammars.discard(request_id)
         now = self.clock()
         for s in req.seqs:
             if not s.finished or s.status is SequenceStatus.FINISHED_ABORTED:
@@ -285,6 +322,8 @@ class LLMEngine:
             self._fail_request(seq.request_id, exc, {seq.request_id})
 
     def _append_token(self, seq: Sequence, token: int, logprob: float, top: dict | None, now: float) -> None:
+        if seq.grammar is not None and not seq.grammar.accept(token):  # the mask should make this impossible
+            raise RuntimeError(f"token {token} is not allowed by the request's grammar")
         seq.append_token(token, now)
         seq.max_spec_tokens = self.spec_decoder.budget(seq, self.max_model_len)
         if seq.params.logprobs is not None:
@@ -296,4 +335,8 @@ class LLMEngine:
         res = self.output_processor.on_token(seq, token)
         if res.finished:
             seq.finish(_FINISH[res.reason], now, res.stop_reason)
+            self.scheduler.finish(seq)
+        elif seq.grammar is not None and seq.grammar.terminated:  # EOS under ignore_eos: the grammar is done
+            self.output_processor.expire(seq)
+            seq.finish(SequenceStatus.FINISHED_STOPPED, now, token)
             self.scheduler.finish(seq)

@@ -76,11 +76,12 @@ class ChatTemplate:
     def _compiled(self) -> jinja2.Template:
         return self._env.from_string(self.source)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Raises ChatTemplateError (a ValueError) when the template cannot render them."""
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+        """Raises ChatTemplateError (a ValueError) when the template cannot render them. `tools`:
+        function tools ({"type": "function", "function": {...}}), as apply_chat_template passes them."""
         try:
             return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token, eos_token=self.eos_token, tools=None)
+                                         bos_token=self.bos_token, eos_token=self.eos_token, tools=tools)
         except ChatTemplateError:
             raise
         except jinja2.TemplateError as e:

@@ -23,6 +23,7 @@ from kvserve.server.protocol import (
 )
 from kvserve.server.state import Job, ServerState
 from kvserve.server.streams import DONE, SSEResponse, merge, sse, unless_disconnected
+from kvserve.server.structured import compile_constraint, constraint_of
 
 
 @dataclass
@@ -43,8 +44,11 @@ async def create_completion(state: ServerState, request: Request, req: Completio
     arrival = state.engine.clock()
     state.check_model(req.model)
     state.limits.check(req.n, req.stop, req.stop_token_ids, num_prompts=len(req.prompts))
-    params = sampling_params(req, req.max_tokens, req.logprobs)
+    constraint = constraint_of(req)
+    params = sampling_params(req, req.max_tokens, req.logprobs, structured=constraint.params if constraint else None)
     state.admit(len(req.prompts) * req.n)  # before tokenizing: a request refused costs nothing
+    if constraint is not None:  # a constraint that cannot compile: a 400 now, not a failed stream
+        await compile_constraint(state, constraint)
     prompts = [await _tokenize(state, p) for p in req.prompts]
     for ids in prompts:
         check_context(len(ids), params.max_tokens, state.max_model_len, "prompt", "max_tokens")

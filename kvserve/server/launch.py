@@ -48,6 +48,7 @@ class ServeOptions:
     allowed_hosts: list[str] | None = None
     shutdown_timeout: float = 30.0
     log_level: str = "info"
+    tool_call_parser: str | None = None  # None: the chat template's format; "none": no auto tool calls
 
 
 class DrainingServer(uvicorn.Server):
@@ -95,7 +96,8 @@ def serve(config: EngineConfig, opts: ServeOptions) -> int:
     async_engine = AsyncLLMEngine(engine, max_unread_tokens=opts.max_stream_backlog)
     app = build_app(async_engine, name, api_key=opts.api_key, max_queue=opts.max_queue,
                     max_body_bytes=opts.max_body_bytes, limits=opts.limits, protect_metrics=opts.protect_metrics,
-                    allowed_hosts=opts.allowed_hosts, body_timeout=opts.body_timeout)
+                    allowed_hosts=opts.allowed_hosts, body_timeout=opts.body_timeout,
+                    tool_call_parser=opts.tool_call_parser)
     uv_config = uvicorn_config(app, opts)
     server = DrainingServer(uv_config, app.state.kvserve, opts.shutdown_timeout)
     log.info("serving %r on http://%s:%d (OpenAI API at /v1)", name, opts.host, opts.port)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from kvserve.sampling_params import RequestOutputKind, SamplingParams
+from kvserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from kvserve.server.errors import APIError, from_value_error
 from kvserve.server.protocol import _SamplingRequest
 
@@ -18,7 +18,8 @@ _OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def sampling_params(req: _SamplingRequest, max_tokens: int | None, logprobs: int | None,
-                    rename: dict[str, str] | None = None) -> SamplingParams:
+                    rename: dict[str, str] | None = None,
+                    structured: StructuredOutputsParams | None = None) -> SamplingParams:
     """Build and validate; a ValueError becomes a 400 whose `param` is the request's field name
     (`rename` maps SamplingParams names to the request's, e.g. logprobs -> top_logprobs).
 
@@ -30,6 +31,7 @@ def sampling_params(req: _SamplingRequest, max_tokens: int | None, logprobs: int
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, stop_token_ids=req.stop_token_ids,
         include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
+        structured_outputs=structured,
     )
     for name in _OPTIONAL:
         value = getattr(req, name)
