@@ -73,6 +73,18 @@ def test_choice_grammar_matches_exactly_its_strings():
         assert (m.accept_string(c) and m.is_completed()) == (c in choices), c
 
 
+@pytest.mark.parametrize("string", [{"maxLength": 5}, {"minLength": 1}, {}])
+def test_json_strings_never_hold_raw_control_characters(string):
+    schema = {"type": "object", "properties": {"a": {"type": "string", **string}}, "required": ["a"]}
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo(["x"])).compile_grammar(
+        build_grammar(StructuredOutputsParams(json=schema)))
+    for ch in ("\x03", "\t", "\n", "\x1f"):
+        m = xgr.GrammarMatcher(compiled)
+        assert m.accept_string('{"a": "x') and not m.accept_string(ch), repr(ch)
+    m = xgr.GrammarMatcher(compiled)
+    assert m.accept_string('{"a": "xé"}') and m.is_completed()
+
+
 def test_token_mask_kernel_equals_xgrammar_and_torch():
     torch.manual_seed(0)
     n, vocab = 6, 1000 + 7  # a vocabulary that is not a multiple of 32
@@ -174,8 +186,8 @@ def test_greedy_json_equals_hf_generate_under_xgrammar_mask(gemma, gemma_llm, hf
     vocab = gemma.config.vocab_size
     info = xgr.TokenizerInfo.from_huggingface(hf_gemma_tokenizer, vocab_size=vocab,
                                               stop_token_ids=gemma.tokenizer.eos_token_ids)
-    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_json_schema(
-        json.dumps(PERSON), any_whitespace=True, max_whitespace_cnt=8))
+    grammar = build_grammar(StructuredOutputsParams(json=PERSON))  # the same grammar, another view of the vocabulary
+    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_grammar(grammar))
     bitmask = xgr.allocate_token_bitmask(1, vocab)
 
     def mask(input_ids, scores):

@@ -118,9 +118,11 @@ def build_grammar(params: StructuredOutputsParams) -> "xgrammar.Grammar":
     try:
         if kind == "json":
             _check_schema_text(params.spec)
-            return xgr.Grammar.from_json_schema(params.spec, strict_mode=True, **_whitespace(params))
+            return _json_strings_fixed(xgr.Grammar.from_json_schema(params.spec, strict_mode=True,
+                                                                    **_whitespace(params)))
         if kind == "json_object":  # any object: not strict (which would forbid every property)
-            return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False, **_whitespace(params))
+            return _json_strings_fixed(xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False,
+                                                                    **_whitespace(params)))
         if kind == "regex":
             return xgr.Grammar.from_regex(params.regex)
         if kind == "choice":
@@ -130,6 +132,20 @@ def build_grammar(params: StructuredOutputsParams) -> "xgrammar.Grammar":
         raise
     except (RuntimeError, ValueError, TypeError) as e:
         raise GrammarError(_field(params), f"cannot be compiled: {_clean(e)}") from None
+
+
+# xgrammar (0.2.9) writes the characters of a length-bounded string (minLength / maxLength) as
+# [^"\\\r\n], which lets raw control characters into a JSON string (JSON forbids U+0000-U+001F
+# there; its unbounded strings exclude them): such grammars are rewritten with JSON's class.
+_BOUNDED_CHARS = r'[^\"\\\r\n]'
+_JSON_CHARS = r'[^\"\\\0-\x1f]'
+
+
+def _json_strings_fixed(grammar: "xgrammar.Grammar") -> "xgrammar.Grammar":
+    text = str(grammar)
+    if _BOUNDED_CHARS not in text:
+        return grammar
+    return _xgr().Grammar.from_ebnf(text.replace(_BOUNDED_CHARS, _JSON_CHARS))
 
 
 def _whitespace(params: StructuredOutputsParams) -> dict:

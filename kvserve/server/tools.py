@@ -10,6 +10,7 @@ ask of the prompt, of the generation and of the response.
   - "required": the output is constrained (the structured-output mask) to a JSON array of
     `{"name": ..., "parameters": {...}}` calls of the offered tools (at most one when
     `parallel_tool_calls` is false), whatever the model's own format: any model can call.
+    Forced calls are written on one line (no free whitespace).
   - {"type": "function", "function": {"name": ...}}: the output is constrained to that
     function's arguments object, which becomes the call.
 - The response carries `tool_calls` (ids `call_...`, arguments as JSON text) and
@@ -72,6 +73,12 @@ def required_schema(tools: list[dict], parallel: bool) -> dict:
     return schema
 
 
+def _compact(schema: dict) -> StructuredOutputsParams:
+    """Forced calls are JSON on one line (", " and ": " between tokens): arguments are read by
+    programs, and free whitespace is where small models wander."""
+    return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+
+
 def plan_tools(req: ChatCompletionRequest, parser: str | None, constraint: Constraint | None) -> ToolPlan:
     """The request's tool plan; a 400 naming the field for a choice that cannot be honoured."""
     choice = req.tool_choice
@@ -100,10 +107,10 @@ def plan_tools(req: ChatCompletionRequest, parser: str | None, constraint: Const
                                                       f"({', '.join(names)})")
         schema = _arguments_schema(funcs[names.index(name)].get("parameters"))
         return ToolPlan("named", template_tools, name=name, parallel=parallel,
-                        constraint=Constraint(StructuredOutputsParams(json=schema), "tool_choice"))
+                        constraint=Constraint(_compact(schema), "tool_choice"))
     if choice == "required":
-        return ToolPlan("required", template_tools, parallel=parallel, constraint=Constraint(
-            StructuredOutputsParams(json=required_schema(funcs, parallel)), "tool_choice"))
+        return ToolPlan("required", template_tools, parallel=parallel,
+                        constraint=Constraint(_compact(required_schema(funcs, parallel)), "tool_choice"))
     if choice == "none":
         return ToolPlan("none", template_tools)
     if parser is None:
