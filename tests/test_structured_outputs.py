@@ -181,7 +181,7 @@ def test_greedy_json_equals_hf_generate_under_xgrammar_mask(gemma, gemma_llm, hf
     """The oracle: HF generate with a logits processor applying xgrammar's mask, from xgrammar's own
     view of transformers' tokenizer; greedy tokens equal, token for token."""
     ids = gemma.tokenizer.encode(PROMPT, add_special_tokens=False)
-    out = gemma_llm.generate(ids, SamplingParams(temperature=0, max_tokens=60,
+    out = gemma_llm.generate(ids, SamplingParams(temperature=0, max_tokens=60, logprobs=0,
                                                  structured_outputs=StructuredOutputsParams(json=PERSON)))[0]
     vocab = gemma.config.vocab_size
     info = xgr.TokenizerInfo.from_huggingface(hf_gemma_tokenizer, vocab_size=vocab,
@@ -203,6 +203,11 @@ def test_greedy_json_equals_hf_generate_under_xgrammar_mask(gemma, gemma_llm, hf
                                 eos_token_id=gemma.tokenizer.eos_token_ids)
     assert out.token_ids == ref[0, len(ids):].tolist()
     assert out.outputs[0].finish_reason == "stop" and _valid(out.text, PERSON)
+    # Logprobs are the model's own (the raw logits), not the masked distribution's.
+    with torch.no_grad():
+        raw = hf_gemma(ref).logits[0, len(ids) - 1:-1].float().log_softmax(-1)
+    expected = raw.gather(1, ref[0, len(ids):, None]).squeeze(1)
+    assert torch.allclose(torch.tensor(out.outputs[0].logprobs), expected, atol=1e-3)
 
 
 def test_constrained_row_leaves_the_batch_unchanged(gemma_llm):
