@@ -181,6 +181,12 @@ def _add_serve_parser(sub) -> None:
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="on SIGTERM, seconds in-flight requests get to finish before they are aborted")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    tools = srv.add_argument_group("tool calling")
+    tools.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "none"],
+                       help="format of the model's tool calls for tool_choice 'auto' (default: the one its chat "
+                            "template defines, if any; 'required' and named choices work without one)")
+    tools.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="accepted for vLLM command lines: tool_choice 'auto' is on whenever a parser is known")
 
 
 def _add_eval_parser(sub) -> None:
@@ -450,6 +456,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         allowed_hosts=None if args.allowed_hosts is None else args.allowed_hosts.split(","),
                         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
                         chat_template=args.chat_template,
+                        tool_call_parser=args.tool_call_parser,
                         limits=RequestLimits(max_n=args.max_n, max_stop=args.max_stop, max_stop_chars=args.max_stop_chars,
                                              max_stop_token_ids=args.max_stop_token_ids,
                                              max_json_depth=args.max_json_depth,

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import enum
+import json
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 # vLLM treats temperatures below this as greedy (division by ~0 would overflow).
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -37,6 +38,71 @@ def _check_float(name: str, value: Any) -> float:
 def _check_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on what a request may generate (vLLM's names): exactly one of a JSON schema
+    (`json`, a dict or its JSON text), any JSON object (`json_object`), a regular expression,
+    one of a list of strings (`choice`) or an EBNF grammar (xgrammar's dialect, GBNF-like).
+
+    Only the shape is checked here; whether the schema, regex or grammar compiles is the
+    grammar backend's verdict (kvserve/sampling/structured.py), a ValueError naming the field.
+    `disable_any_whitespace`: JSON without free whitespace between its tokens."""
+
+    KINDS: ClassVar[tuple[str, ...]] = ("json", "regex", "choice", "grammar", "json_object")
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, regex, choice, grammar, json_object; "
+                             f"got {', '.join(given) if given else 'none'}")
+        _check_bool("structured_outputs.disable_any_whitespace", self.disable_any_whitespace)
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (a dict or its JSON text), "
+                             f"got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice:
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}")
+            bad = [c for c in self.choice if not isinstance(c, str)]
+            if bad:
+                raise ValueError(f"structured_outputs.choice must contain only strings, got {bad[0]!r}")
+        if self.json_object is not None:
+            _check_bool("structured_outputs.json_object", self.json_object)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: one of KINDS."""
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def spec(self) -> str:
+        """The constraint as text (a schema dict as JSON, choices as a JSON list). Keys keep their
+        order: a schema's property order is the order the JSON is generated in."""
+        kind = self.kind
+        if kind == "json":
+            return self.json if isinstance(self.json, str) else json.dumps(self.json, ensure_ascii=False)
+        if kind == "choice":
+            return json.dumps(list(self.choice), ensure_ascii=False)
+        if kind == "json_object":
+            return ""
+        return getattr(self, kind)
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        """Equal constraints have equal keys (what compiled grammars are cached by)."""
+        return self.kind, self.spec, self.disable_any_whitespace
 
 
 class RequestOutputKind(enum.Enum):
@@ -78,6 +144,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Constrained decoding (JSON schema, regex, choice, grammar): a per-token mask in the sampler.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self._validate_counts()
@@ -88,6 +156,9 @@ class SamplingParams:
             _check_bool(name, getattr(self, name))
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
 
     def _validate_counts(self) -> None:
         _check_int("n", self.n)

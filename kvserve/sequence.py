@@ -90,6 +90,9 @@ class Sequence:
     # Set by the engine when the request is added. `generator` is a torch.Generator for a
     # seeded sample (typed Any so that this module stays torch-free).
     generator: Any = field(default=None, repr=False)
+    # Structured outputs: the sequence's place in its request's grammar (a
+    # kvserve.sampling.structured.GrammarState, set once the grammar is compiled).
+    grammar: Any = field(default=None, repr=False)
     detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False)
     stop_checker: StopChecker | None = field(default=None, repr=False)
     # Streamed text in pieces (joined only when an output needs all of it) and how much of

@@ -106,7 +106,8 @@ JSON_CASES = {
     "missing messages": (CHAT, {"model": MODEL}, 400, "messages"),
     "messages not a list": (CHAT, _chat(messages="hi"), 400, "messages"),
     "wrong role": (CHAT, _chat(messages=[{"role": "wizard", "content": "x"}]), 400, "messages[0].role"),
-    "tool role": (CHAT, _chat(messages=[{"role": "tool", "content": "x"}]), 400, "messages[0].role"),
+    "tool message without tool_call_id": (CHAT, _chat(messages=[{"role": "tool", "content": "x"}]), 400,
+                                          "messages[0].tool_call_id"),
     "user without content": (CHAT, _chat(messages=[{"role": "user"}]), 400, "messages[0].content"),
     "content of wrong type": (CHAT, _chat(messages=[{"role": "user", "content": 5}]), 400, "messages[0].content"),
     "image content part": (CHAT, _chat(messages=[{"role": "user", "content": [
@@ -116,8 +117,9 @@ JSON_CASES = {
     "max_completion_tokens negative": (CHAT, _chat(max_completion_tokens=-3), 400, "max_completion_tokens"),
     "max_completion_tokens huge": (CHAT, _chat(max_completion_tokens=10**6), 400, "max_completion_tokens"),
     "chat past the context": (CHAT, _chat(messages=[{"role": "user", "content": "word " * 2000}]), 400, "messages"),
-    "tools unsupported": (CHAT, _chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
-    "json response_format": (CHAT, _chat(response_format={"type": "json_object"}), 400, "response_format"),
+    "auto tool choice without a tool format": (CHAT, _chat(tools=[{"type": "function", "function": {"name": "f"}}]),
+                                               400, "tool_choice"),
+    "unknown response_format type": (CHAT, _chat(response_format={"type": "xml"}), 400, "response_format.type"),
     "chat unknown model": (CHAT, _chat(model="nope"), 404, "model"),
 }
 

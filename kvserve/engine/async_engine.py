@@ -36,7 +36,7 @@ from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.metrics import RequestMetrics
 from kvserve.engine.outputs import CompletionOutput, RequestOutput, error_reference
 from kvserve.pooling_params import PoolingParams
-from kvserve.sampling_params import RequestOutputKind, SamplingParams
+from kvserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 log = logging.getLogger(__name__)
 UNHEALTHY_AFTER = 3  # failed steps in a row before the engine reports itself unhealthy
@@ -290,6 +290,11 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenizer_pool, self.engine.tokenizer.encode, text,
                                           add_special_tokens)
+
+    async def compile_grammar(self, params: StructuredOutputsParams) -> None:
+        """Compile a request's constraint off the event loop and off the step loop (cached for
+        its add_request); raises kvserve.sampling.structured.GrammarError (a ValueError)."""
+        await asyncio.wrap_future(self.engine.grammars.compile_in_background(params))
 
     def clock(self) -> float:
         """The engine's monotonic clock: a handler stamps arrival with it before tokenizing."""

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from kvserve.config import EngineConfig
 from kvserve.engine import builder, input_processor, step_batch
+from kvserve.engine.grammars import GrammarCompiles
 from kvserve.engine.metrics import RequestMetrics
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.output_processor import OutputProcessor, RequestState
@@ -27,6 +28,7 @@ from kvserve.loading import LoadedModel
 from kvserve.pooling_params import PoolingParams
 from kvserve.sampling import Sampler, SamplerOutput
 from kvserve.sampling.prompt_logprobs import prompt_logprobs
+from kvserve.sampling.structured import GrammarBackend
 from kvserve.sampling_params import SamplingParams
 from kvserve.sequence import Logprob, Sequence, SequenceStatus
 from kvserve.speculative.decoder import DraftTarget, SpeculativeDecoder, Verified
@@ -71,6 +73,7 @@ class LLMEngine:
         self.scheduler = builder.scheduler(cfg.scheduler_config, cfg.speculative_config, self.block_manager,
                                            self.max_model_len)
         self.sampler = Sampler(self.tokenizer.eos_token_ids)
+        self.grammars = GrammarCompiles(GrammarBackend(self.tokenizer, mc.vocab_size))
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         if graphs:
             self.runner.graphs = builder.capture_cuda_graphs(self.loaded.model, self.kv_cache, cfg,
@@ -124,8 +127,11 @@ class LLMEngine:
         request_id = str(next(self._request_ids)) if request_id is None else request_id
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        ids = self.tokenize(prompt)
         pooling = isinstance(params, PoolingParams)
+        structured = None if pooling else params.structured_outputs
+        if structured is not None:  # a bad schema / regex / grammar: ValueError now
+            self.grammars.backend.check(structured)
+        ids = self.tokenize(prompt)
         input_processor.check_token_args(params, self.model_config.vocab_size, self.model_config.hidden_size)
         input_processor.check_prompt_fits(ids, self.max_model_len, pooling)
         if pooling:
@@ -140,9 +146,12 @@ class LLMEngine:
         req = RequestState(request_id, prompt if isinstance(prompt, str) else None, ids, params, seqs,
                        RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(ids)), deadline=deadline)
         self.requests[request_id] = req
-        # n > 1: only the first sample is scheduled; the others fork from it once the prompt is
-        # computed, sharing its blocks by reference (copy-on-write on their first append).
-        self.scheduler.add(seqs[0])
+        if structured is None:
+            self.scheduler.add(seqs[0])
+        else:  # scheduled once its grammar is compiled (now, when cached)
+            compiled = self.grammars.submit(request_id, structured)
+            if compiled is not None:
+                self._start_constrained(req, compiled)
         return request_id
 
     def _engine_seed(self, params: SamplingParams) -> int | None:
@@ -151,12 +160,37 @@ class LLMEngine:
         if self._seeds is None or params.seed is not None:
             return None
         return self._seeds.getrandbits(63)
+    def _start_constrained(self, req: RequestState, compiled) -> None:
+        """Each sample gets its own matcher of the request's grammar, then the request is
+        scheduled. n > 1: only the first sample is scheduled; the others fork from it once the
+        prompt is computed, sharing its blocks by reference (copy-on-write on their first append)."""
+        for s in req.seqs:
+            s.grammar = self.grammars.backend.new_state(compiled)
+        self.scheduler.add(req.seqs[0])
+
+    def _admit_compiled(self, touched: set[str]) -> None:
+        """Requests whose grammar finished compiling start (or fail, 400, if it could not)."""
+        idle = not self.scheduler.has_unfinished
+        for rid, compiled, err in self.grammars.ready(idle):
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if err is None:
+                self._start_constrained(req, compiled)
+                continue
+            req.error = str(err) if isinstance(err, ValueError) else f"grammar compilation failed: {err!r}"
+            req.error_status = 400 if isinstance(err, ValueError) else 500
+            now = self.clock()
+            for s in req.seqs:
+                s.finish(SequenceStatus.FINISHED_ERROR, now)
+            touched.add(rid)
 
     def abort(self, request_id: str) -> bool:
         req = self.requests.get(request_id)
         if req is None:
             return False
         self.scheduler.abort(request_id)
+        self.grammars.discard(request_id)
         now = self.clock()
         for s in req.seqs:
             if not s.finished:
@@ -173,7 +207,7 @@ class LLMEngine:
         bm, sch = self.block_manager, self.scheduler
         return {
             "num_requests_running": sch.num_running,
-            "num_requests_waiting": sch.num_waiting,
+            "num_requests_waiting": sch.num_waiting + len(self.grammars),  # compiling counts as waiting
             "kv_cache_usage_perc": bm.usage(),
             "kv_blocks_total": self.num_blocks,  # pages of the one pool all layer groups share
             "kv_blocks_free": bm.num_free_blocks,
@@ -190,6 +224,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One scheduling iteration; returns an output for every request that changed."""
         touched: set[str] = set()
+        self._admit_compiled(touched)
         self._expire(self.clock(), touched)
         sched = self.scheduler.schedule()
         now = self.clock()
@@ -217,6 +252,7 @@ class LLMEngine:
                 self.scheduler.finish(s)
                 self.output_processor.expire(s)
                 s.finish(SequenceStatus.FINISHED_LENGTH, now)
+            self.grammars.discard(rid)
             if req.seqs[0].pooling is not None:  # no partial embedding to give
                 req.error, req.error_status = "the request timed out before its embedding was computed", 408
             touched.add(rid)
@@ -232,6 +268,7 @@ class LLMEngine:
         req.error = f"internal engine error (log reference {ref})"
         req.error_status = 500
         self.scheduler.abort(request_id)
+        self.grammars.discard(request_id)
         now = self.clock()
         for s in req.seqs:
             if not s.finished or s.status is SequenceStatus.FINISHED_ABORTED:
@@ -367,6 +404,8 @@ class LLMEngine:
             self._fail_request(seq.request_id, exc, {seq.request_id})
 
     def _append_token(self, seq: Sequence, token: int, logprob: float, top: dict | None, now: float) -> None:
+        if seq.grammar is not None and not seq.grammar.accept(token):  # the mask should make this impossible
+            raise RuntimeError(f"token {token} is not allowed by the request's grammar")
         seq.append_token(token, now)
         seq.max_spec_tokens = self.spec_decoder.budget(seq, self.max_model_len)
         if seq.params.logprobs is not None:
@@ -378,4 +417,8 @@ class LLMEngine:
         res = self.output_processor.on_token(seq, token)
         if res.finished:
             seq.finish(_FINISH[res.reason], now, res.stop_reason)
+            self.scheduler.finish(seq)
+        elif seq.grammar is not None and seq.grammar.terminated:  # EOS under ignore_eos: the grammar is done
+            self.output_processor.expire(seq)
+            seq.finish(SequenceStatus.FINISHED_STOPPED, now, token)
             self.scheduler.finish(seq)

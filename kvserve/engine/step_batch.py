@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 def sampling_request(seq: Sequence) -> SamplingRequest:
     """The sampler's view of one sequence's logits row."""
-    return SamplingRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator)
+    return SamplingRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator, seq.grammar)
 
 
 @dataclass

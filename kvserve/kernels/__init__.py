@@ -133,6 +133,7 @@ _SIGNATURES: dict[str, dict[str, tuple[list, object]]] = {
     "rope_cache": {"norm_rope_write": ([_P, _L, _P, _L, _P, _L, _I, _I, _I, _I, _P, _P, _F, _P, _P, _P, _P, _P, _P,
                                         _I], None)},  # a decode step's attention prologue
     "argmax": {"argmax_rows": ([_P, _P, _I, ctypes.c_int64, _I], None)},  # greedy picks
+    "token_mask": {"apply_token_bitmask": ([_P, _P, _P, _I, _L, _L, _I], None)},  # structured outputs
     "gelu": {"gelu_tanh_mul": ([_P, _P, _P, _I, _I, _L, _I], None),  # Gemma's MLP activation
              "silu_mul": ([_P, _P, _P, _I, _I, _L, _I], None)},  # Llama's
     "decode_step": {"decode_layers": ([_P, _P, _P, _I, _P], ctypes.c_int)},  # accel/decode_plan.py
@@ -411,6 +412,24 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(x.shape[0], dtype=torch.int64)
     lib.argmax_rows(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads())
     return out
+
+
+def apply_token_bitmask(x: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """x[r, v] = -inf, in place, for each r in `rows` and each token v whose bit is 0 in
+    bitmask [M, ceil(V / 32)] int32 (xgrammar's layout: bit v % 32 of word v // 32). x [M, V]."""
+    if not rows:
+        return
+    lib = kernel_lib("token_mask")
+    if lib is not None and _f32_cpu(x) and x.is_contiguous() and bitmask.is_contiguous():
+        idx = torch.tensor(rows, dtype=torch.int64)
+        lib.apply_token_bitmask(x.data_ptr(), bitmask.data_ptr(), idx.data_ptr(), len(idx), x.shape[1],
+                                bitmask.shape[1], torch.get_num_threads())
+        return
+    idx = torch.tensor(rows, device=x.device)
+    bits = torch.arange(32, dtype=torch.int32, device=x.device)
+    words = bitmask.to(x.device)[idx]
+    allowed = ((words.unsqueeze(-1) >> bits) & 1).bool().view(len(rows), -1)[:, :x.shape[1]]
+    x[idx] = x[idx].masked_fill(~allowed, float("-inf"))
 
 
 def _panel_lib() -> tuple[ctypes.CDLL, int] | None:

@@ -124,9 +124,10 @@ class ChatTemplate:
         return self._env.from_string(self.source)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False,
-               template_kwargs: Mapping[str, Any] | None = None) -> str:
+               template_kwargs: Mapping[str, Any] | None = None, tools: list[dict] | None = None) -> str:
         """Raises ChatTemplateError (a ValueError) when the template cannot render them, or the
-        arguments contradict each other."""
+        arguments contradict each other. `tools`: function tools ({"type": "function",
+        "function": {...}}), as apply_chat_template passes them."""
         if add_generation_prompt and continue_final_message:
             raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be true (set "
                                     "add_generation_prompt to false to continue the final message)",
@@ -134,7 +135,7 @@ class ChatTemplate:
         variables = _template_kwargs(template_kwargs)
         try:
             text = self._compiled.render(**variables, messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token, eos_token=self.eos_token, tools=None)
+                                         bos_token=self.bos_token, eos_token=self.eos_token, tools=tools)
         except ChatTemplateError as e:
             raise ChatTemplateError(f"{self.origin} raised: {e}", e.field) from None
         except jinja2.TemplateError as e:

@@ -47,6 +47,14 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tk.id_to_token(token_id)
 
+    def get_vocab(self) -> dict[str, int]:
+        """Every token's vocabulary string (added tokens included) -> its id."""
+        return self._tk.get_vocab(with_added_tokens=True)
+
+    def special_token_ids(self) -> set[int]:
+        """Ids of the added tokens marked special (what skip_special_tokens drops from text)."""
+        return {i for i, t in self._tk.get_added_tokens_decoder().items() if t.special}
+
 
 def convert_gguf_tokenizer(gguf_path: Path, out_path: Path) -> None:
     """One-time conversion of a GGUF vocabulary to tokenizer.json (needs `transformers`)."""

@@ -1,8 +1,9 @@
 """Batched token sampling: penalties, greedy/random selection, logprobs (vLLM semantics).
 
 Processing order per row (as vLLM): logit_bias -> min_tokens masking -> repetition penalty ->
-frequency/presence penalties -> greedy argmax, or temperature -> top-k -> top-p ->
-min-p -> sample. Logprobs are always computed from the raw logits.
+frequency/presence penalties -> the grammar's token mask (structured outputs) -> greedy argmax,
+or temperature -> top-k -> top-p -> min-p -> sample. Logprobs are always computed from the raw
+logits.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve import kernels
+from kvserve.sampling.structured import GrammarState, apply_masks
 from kvserve.sampling_params import SamplingParams
 
 
@@ -25,6 +27,8 @@ class SamplingRequest:
     output_token_ids: Sequence[int]
     # Per-sequence RNG for seeded requests; None -> the global torch RNG.
     generator: torch.Generator | None = None
+    # Structured outputs: the sequence's grammar, whose mask the row is sampled under.
+    grammar: GrammarState | None = None
 
 
 @dataclass
@@ -57,7 +61,8 @@ def penalizes(p: SamplingParams) -> bool:
 
 
 def _plain_greedy(req: SamplingRequest) -> bool:
-    return req.params.greedy and req.params.logprobs is None and not _needs_penalties(req)
+    return (req.params.greedy and req.params.logprobs is None and req.grammar is None
+            and not _needs_penalties(req))
 
 
 def _penalize_row(row: torch.Tensor, req: SamplingRequest, eos_token_ids: Sequence[int]) -> None:
@@ -217,6 +222,27 @@ def sample_from_probs(probs: torch.Tensor, generators: Sequence[torch.Generator 
     return tokens
 
 
+def _grammar_masked(raw: torch.Tensor, processed: torch.Tensor, requests: list[SamplingRequest]) -> torch.Tensor:
+    """`processed` with each constrained row's grammar mask applied, in place: the step's logits
+    rows are read again only for logprobs, so they are copied first only when a constrained row
+    asks for logprobs (which come from the raw logits). A row left with no token at all
+    (min_tokens banning the EOS that a complete grammar allows alone) takes the grammar's mask
+    over its raw logits: the grammar wins."""
+    if processed is raw and any(r.grammar is not None and r.params.logprobs is not None for r in requests):
+        processed = raw.clone()
+    states = [r.grammar for r in requests]
+    apply_masks(processed, states)
+    banned = [i for i, r in enumerate(requests) if r.grammar is not None and _needs_min_tokens_mask(r)]
+    if banned:  # only min_tokens can empty a row, and it made `processed` a copy of `raw`
+        idx = torch.tensor(banned, device=raw.device)
+        dead = idx[processed[idx].amax(dim=1) == float("-inf")]
+        if dead.numel():
+            fresh = raw[dead].clone()
+            apply_masks(fresh, [states[i] for i in dead.tolist()])
+            processed[dead] = fresh
+    return processed
+
+
 class Sampler:
     """Picks the next token for every row of a logits batch."""
 
@@ -245,6 +271,8 @@ class Sampler:
             return SamplerOutput(token_ids=tokens, logprobs=[None] * n, top_logprobs=[None] * n)
         raw = logits.float()
         processed = apply_penalties(raw, requests, self.eos_token_ids)
+        if any(r.grammar is not None for r in requests):  # no mask work for unconstrained batches
+            processed = _grammar_masked(raw, processed, requests)
         tokens = self._select(processed, requests)
         return self._with_logprobs(raw, tokens, requests)
 

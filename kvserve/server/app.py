@@ -20,7 +20,7 @@ from kvserve.engine.async_engine import AsyncLLMEngine
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.server.body import parse_body
 from kvserve.server.chat import create_chat_completion
-from kvserve.loading.chat_template import TemplateSource, chat_template_for
+from kvserve.loading.chat_template import ChatTemplate, TemplateSource, chat_template_for
 from kvserve.server.completions import create_completion
 from kvserve.server.embeddings import create_embedding
 from kvserve.server.errors import APIError, error_body, install_handlers
@@ -40,6 +40,7 @@ from kvserve.server.protocol import (
 )
 from kvserve.server.state import ServerState
 from kvserve.server.tokenize import detokenize, tokenize, tokenizer_info
+from kvserve.server.tool_parsers import PARSERS, parser_for_template
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_QUEUE = 1024  # waiting requests before 429; well past what a CPU drains in minutes
@@ -54,16 +55,20 @@ def build_app(engine: AsyncLLMEngine | LLMEngine, served_model_name: str, api_ke
               max_queue: int = DEFAULT_MAX_QUEUE, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               limits: RequestLimits | None = None, protect_metrics: bool = False,
               allowed_hosts: list[str] | None = None, body_timeout: float = 60.0,
-              chat_template: TemplateSource | None = None) -> FastAPI:
-    """`chat_template`: the template chats render with instead of the model's (--chat-template)."""
+              chat_template: TemplateSource | None = None, tool_call_parser: str | None = None) -> FastAPI:
+    """`chat_template`: the template chats render with instead of the model's (--chat-template).
+    `tool_call_parser`: the format of the model's tool calls for tool_choice "auto" (hermes,
+    llama3_json); None: the one its chat template defines, if any; "none": no auto tool calls."""
     async_engine = engine if isinstance(engine, AsyncLLMEngine) else AsyncLLMEngine(engine)
     metrics = ServerMetrics(async_engine.stats, served_model_name)
     if async_engine.observer is None:
         async_engine.observer = metrics
     core = async_engine.engine
-    state = ServerState(async_engine, served_model_name, chat_template_for(core.model_config, core.tokenizer, chat_template),
+    template = chat_template_for(core.model_config, core.tokenizer, chat_template)
+    state = ServerState(async_engine, served_model_name, template,
                         metrics, api_key, max_queue, max_body_bytes, limits or RequestLimits(),
-                        protect_ops=protect_metrics, body_timeout=body_timeout)
+                        protect_ops=protect_metrics, body_timeout=body_timeout,
+                        tool_parser=resolve_tool_parser(tool_call_parser, template))
     if protect_metrics and api_key is None:
         raise ValueError("--protect-metrics needs an API key (--api-key, --api-key-file or KVSERVE_API_KEY)")
 
@@ -82,6 +87,20 @@ def build_app(engine: AsyncLLMEngine | LLMEngine, served_model_name: str, api_ke
     _add_api_routes(app, state)
     _add_ops_routes(app, state)
     return app
+
+
+def resolve_tool_parser(name: str | None, template: ChatTemplate) -> str | None:
+    """The tool-call parser to use: the one named, or the template's own format (logged)."""
+    if name == "none":
+        return None
+    if name is not None:
+        if name not in PARSERS:
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(PARSERS)} or none, got {name!r}")
+        return name
+    found = None if template.is_default else parser_for_template(template.source)
+    log.info("tool calls: %s", f"the chat template's {found} format" if found else
+             "the chat template defines no format; tool_choice 'required' and named functions still work")
+    return found
 
 
 def _add_api_routes(app: FastAPI, state: ServerState) -> None:

@@ -7,7 +7,7 @@ final chunk with the finish_reason.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from starlette.requests import Request
@@ -28,10 +28,17 @@ from kvserve.server.protocol import (
     ChatCompletionResponse,
     ChatLogprobs,
     Delta,
+    FunctionCall,
+    FunctionCallDelta,
+    ToolCall,
+    ToolCallDelta,
     Usage,
 )
 from kvserve.server.state import Job, ServerState
 from kvserve.server.streams import DONE, SSEResponse, sse, unless_disconnected
+from kvserve.server.structured import compile_constraint, constraint_of
+from kvserve.server.tool_parsers import CallDelta, ToolParser
+from kvserve.server.tools import ToolPlan, check_tool_schemas, message_dict, plan_tools
 
 OFF_LOOP_CHARS = 64 * 1024  # conversations longer than this render in a worker thread
 
@@ -40,6 +47,7 @@ OFF_LOOP_CHARS = 64 * 1024  # conversations longer than this render in a worker 
 class _Job(Job):
     id_prefix = "chatcmpl"
     req: ChatCompletionRequest
+    tools: ToolPlan = field(default_factory=lambda: ToolPlan("none"))
 
     def logprobs(self, token_ids: list[int], lps: list, tops: list) -> ChatLogprobs | None:
         if not self.req.logprobs:
@@ -52,14 +60,21 @@ async def create_chat_completion(state: ServerState, request: Request, req: Chat
     state.check_model(req.model)
     rename = {"max_tokens": req.max_tokens_field, "logprobs": "top_logprobs"}
     state.limits.check(req.n, req.stop, req.stop_token_ids)
-    params = sampling_params(req, req.max_new_tokens, (req.top_logprobs or 0) if req.logprobs else None, rename)
+    constraint = constraint_of(req)
+    tools = plan_tools(req, state.tool_parser, constraint)
+    constraint = tools.constraint or constraint
+    params = sampling_params(req, req.max_new_tokens, (req.top_logprobs or 0) if req.logprobs else None, rename,
+                             structured=constraint.params if constraint else None)
     check_logit_bias(params, state.vocab_size)
     state.admit(req.n)  # before rendering and tokenizing
-    ids = await _prompt_ids(state, req)
+    await check_tool_schemas(req, tools)
+    if constraint is not None:
+        await compile_constraint(state, constraint)
+    ids = await _prompt_ids(state, req, tools)
     check_context(len(ids), params.max_tokens, state.max_model_len, "messages", req.max_tokens_field)
     params.max_tokens = state.limits.default_max_tokens(params.max_tokens, len(ids), state.max_model_len,
                                                         params.min_tokens)
-    job = _Job(state, req, params, arrival)
+    job = _Job(state, req, params, arrival, tools=tools)
     try:
         stream = state.engine.generate(ids, params, job.id, job.arrival_time, cache_salt=req.cache_salt,
                                        deadline=job.arrival_time + state.limits.request_timeout)
@@ -71,23 +86,23 @@ async def create_chat_completion(state: ServerState, request: Request, req: Chat
     return Response(_response(job, final).model_dump_json(), media_type="application/json")
 
 
-def render_messages(state: ServerState, req: ChatCompletionRequest) -> str:
-    # "developer" is OpenAI's new name for "system"; model templates only know the latter.
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text,
-                 **({"name": m.name} if m.name else {})} for m in req.messages]
+def render_messages(state: ServerState, req: ChatCompletionRequest, tools: ToolPlan | None = None) -> str:
+    messages = [message_dict(m) for m in req.messages]
     try:
         return state.chat_template.render(messages, add_generation_prompt=req.add_generation_prompt,
                                           continue_final_message=req.continue_final_message,
-                                          template_kwargs=req.chat_template_kwargs)
+                                          template_kwargs=req.chat_template_kwargs,
+                                          tools=tools.template_tools if tools else None)
     except ChatTemplateError as e:
         message = str(e) if str(e).startswith(e.field) else f"{e.field}: {e}"
         raise APIError(400, message, e.field, "invalid_messages") from None
 
 
-async def _prompt_ids(state: ServerState, req: ChatCompletionRequest) -> list[int]:
+async def _prompt_ids(state: ServerState, req: ChatCompletionRequest, tools: ToolPlan) -> list[int]:
     # Rendering is a Jinja template over every message: off the event loop for long conversations.
     many = sum(len(m.text) for m in req.messages) > OFF_LOOP_CHARS or len(req.messages) > 64
-    text = await asyncio.to_thread(render_messages, state, req) if many else render_messages(state, req)
+    text = await asyncio.to_thread(render_messages, state, req, tools) if many else \
+        render_messages(state, req, tools)
     # The rendered text already starts with the template's BOS: add no special tokens again.
     ids = await state.engine.encode(text, add_special_tokens=False)
     if not ids:
@@ -106,11 +121,33 @@ async def _collect(stream: RequestStream) -> RequestOutput:
 
 
 def _response(job: _Job, out: RequestOutput) -> ChatCompletionResponse:
-    choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                          logprobs=job.logprobs(c.token_ids, c.logprobs or [], c.top_logprobs or []),
-                          finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in out.outputs]
+    choices = [_choice(job, c) for c in out.outputs]
     return ChatCompletionResponse(id=job.id, created=job.created, model=job.state.model_name, choices=choices,
                                   usage=_usage(out), prompt_logprobs=prompt_logprobs_wire(out.prompt_logprobs))
+
+
+def _choice(job: _Job, c: CompletionOutput) -> ChatChoice:
+    """One choice of a whole response: its text, or the content and tool calls parsed from it
+    (by the parser a stream uses, fed the whole text at once: the stream reassembles to this)."""
+    content, calls = c.text, None
+    parser = job.tools.new_parser()
+    if parser is not None:
+        content = parser.feed(c.text)[0] + parser.finish()[0]
+        calls = [ToolCall(id=p.id, function=FunctionCall(name=p.name, arguments=p.arguments))
+                 for p in _kept_calls(job, parser.calls)] or None
+        content = content or None
+    return ChatChoice(index=c.index, message=AssistantMessage(content=content, tool_calls=calls),
+                      logprobs=job.logprobs(c.token_ids, c.logprobs or [], c.top_logprobs or []),
+                      finish_reason=_finish_reason(c.finish_reason, bool(calls)), stop_reason=c.stop_reason)
+
+
+def _kept_calls(job: _Job, calls: list) -> list:
+    """parallel_tool_calls false: the first call only."""
+    return calls if job.tools.parallel else calls[:1]
+
+
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 def _usage(out: RequestOutput) -> Usage:
@@ -121,13 +158,16 @@ async def _stream(job: _Job, stream: RequestStream) -> AsyncIterator[str]:
     include_usage = job.include_usage
     started: set[int] = set()
     done: set[int] = set()
+    parsers: dict[int, ToolParser | None] = {}
     final: RequestOutput | None = None
     num_output_tokens = 0  # the outputs carry only what is new: count as they come
     try:
         async for out in stream:
             num_output_tokens += sum(len(c.delta_token_ids) for c in out.outputs)
             for c in out.outputs:
-                for choice in _choice_deltas(job, c, started, done):
+                if c.index not in parsers:
+                    parsers[c.index] = job.tools.new_parser()
+                for choice in _choice_deltas(job, c, started, done, parsers[c.index]):
                     yield sse(_chunk(job, [choice], include_usage))
             if out.finished:
                 final = out
@@ -141,23 +181,50 @@ async def _stream(job: _Job, stream: RequestStream) -> AsyncIterator[str]:
     yield DONE
 
 
-def _choice_deltas(job: _Job, c: CompletionOutput, started: set[int], done: set[int]) -> list[ChatChunkChoice]:
-    """The chunks one output contributes for one choice: role first, then content/finish."""
+def _choice_deltas(job: _Job, c: CompletionOutput, started: set[int], done: set[int],
+                   parser: ToolParser | None = None) -> list[ChatChunkChoice]:
+    """The chunks one output contributes for one choice: role first, then content (or tool
+    call pieces, through the choice's parser)/finish."""
     if c.index in done:
         return []
     out: list[ChatChunkChoice] = []
     if c.index not in started:
         started.add(c.index)
         out.append(ChatChunkChoice(index=c.index, delta=Delta(role="assistant", content="")))
+    content, calls, finish_reason = c.delta_text, None, c.finish_reason
+    if parser is not None:
+        content, deltas = parser.feed(c.delta_text)
+        if c.finished:
+            more, rest = parser.finish()
+            content, deltas = content + more, deltas + rest
+        calls = [_call_delta(d) for d in deltas if job.tools.parallel or d.index == 0] or None
+        if c.finished:
+            finish_reason = _finish_reason(c.finish_reason, bool(parser.calls))
     want_lp = job.req.logprobs and c.delta_token_ids
-    if c.delta_text or c.finished or want_lp:
+    if content or calls or c.finished or want_lp:
         lps, tops = delta_logprobs(c)
-        out.append(ChatChunkChoice(index=c.index, delta=Delta(content=c.delta_text or None),
+        out.append(ChatChunkChoice(index=c.index, delta=Delta(content=content or None, tool_calls=calls),
                                    logprobs=job.logprobs(c.delta_token_ids, lps, tops),
-                                   finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                                   finish_reason=finish_reason, stop_reason=c.stop_reason))
     if c.finished:
         done.add(c.index)
     return out
+
+
+def _call_delta(d: CallDelta) -> ToolCallDelta:
+    """OpenAI's shape: the first piece of a call has its id, type and name (and arguments "")."""
+    if d.id is not None:
+        return ToolCallDelta(index=d.index, id=d.id, type="function",
+                             function=FunctionCallDelta(name=d.name, arguments=d.arguments))
+    return ToolCallDelta(index=d.index, function=FunctionCallDelta(arguments=d.arguments))
+
+
+def _drop_nones(obj: dict) -> None:
+    for k in [k for k, v in obj.items() if v is None]:
+        del obj[k]
+    for v in obj.values():
+        if isinstance(v, dict):
+            _drop_nones(v)
 
 
 def _chunk(job: _Job, choices: list[ChatChunkChoice], include_usage: bool, usage: Usage | None = None) -> dict:
@@ -166,4 +233,6 @@ def _chunk(job: _Job, choices: list[ChatChunkChoice], include_usage: bool, usage
     body = chunk.model_dump(mode="json", exclude=None if include_usage else {"usage"})
     for choice in body["choices"]:  # a delta carries only what it adds
         choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+        for call in choice["delta"].get("tool_calls", []):
+            _drop_nones(call)
     return body

@@ -29,6 +29,7 @@ from kvserve.server.protocol import (
 )
 from kvserve.server.state import Job, ServerState
 from kvserve.server.streams import DONE, SSEResponse, merge, sse, unless_disconnected
+from kvserve.server.structured import compile_constraint, constraint_of
 
 
 @dataclass
@@ -88,10 +89,13 @@ async def create_completion(state: ServerState, request: Request, req: Completio
     state.check_model(req.model)
     state.limits.check(req.n, req.stop, req.stop_token_ids, num_prompts=len(req.prompts))
     echo_logprobs = req.logprobs if req.echo and req.prompt_logprobs is None else None
+    constraint = constraint_of(req)
     params = sampling_params(req, 1 if req.echo_only else req.max_tokens, req.logprobs,
-                             prompt_logprobs=echo_logprobs)
+                             prompt_logprobs=echo_logprobs, structured=constraint.params if constraint else None)
     check_logit_bias(params, state.vocab_size)
     state.admit(len(req.prompts) * req.n)  # before tokenizing: a request refused costs nothing
+    if constraint is not None:  # a constraint that cannot compile: a 400 now, not a failed stream
+        await compile_constraint(state, constraint)
     prompts = [await _tokenize(state, p) for p in req.prompts]
     for ids in prompts:
         check_context(len(ids), params.max_tokens, state.max_model_len, "prompt", "max_tokens")

@@ -50,6 +50,7 @@ class ServeOptions:
     shutdown_timeout: float = 30.0
     log_level: str = "info"
     chat_template: str | None = None  # a Jinja file, or the template itself, instead of the model's
+    tool_call_parser: str | None = None  # None: the chat template's format; "none": no auto tool calls
 
 
 class DrainingServer(uvicorn.Server):
@@ -98,7 +99,8 @@ def serve(config: EngineConfig, opts: ServeOptions) -> int:
     async_engine = AsyncLLMEngine(engine, max_unread_tokens=opts.max_stream_backlog)
     app = build_app(async_engine, name, api_key=opts.api_key, max_queue=opts.max_queue,
                     max_body_bytes=opts.max_body_bytes, limits=opts.limits, protect_metrics=opts.protect_metrics,
-                    allowed_hosts=opts.allowed_hosts, body_timeout=opts.body_timeout, chat_template=template)
+                    allowed_hosts=opts.allowed_hosts, body_timeout=opts.body_timeout, chat_template=template,
+                    tool_call_parser=opts.tool_call_parser)
     uv_config = uvicorn_config(app, opts)
     server = DrainingServer(uv_config, app.state.kvserve, opts.shutdown_timeout)
     log.info("serving %r on http://%s:%d (OpenAI API at /v1)", name, opts.host, opts.port)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import fields
 
-from kvserve.sampling_params import RequestOutputKind, SamplingParams
+from kvserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from kvserve.server.errors import APIError, from_value_error
 from kvserve.server.protocol import _SamplingRequest
 
@@ -19,7 +19,8 @@ _OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def sampling_params(req: _SamplingRequest, max_tokens: int | None, logprobs: int | None,
-                    rename: dict[str, str] | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+                    rename: dict[str, str] | None = None, prompt_logprobs: int | None = None,
+                    structured: StructuredOutputsParams | None = None) -> SamplingParams:
     """Build and validate; a ValueError becomes a 400 whose `param` is the request's field name
     (`rename` maps SamplingParams names to the request's, e.g. logprobs -> top_logprobs).
     `prompt_logprobs`: the request's own unless given (completions' echo asks for them).
@@ -34,6 +35,7 @@ def sampling_params(req: _SamplingRequest, max_tokens: int | None, logprobs: int
         include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
         prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
         logit_bias=_logit_bias(req.logit_bias),
+        structured_outputs=structured,
     )
     for name in _OPTIONAL:
         value = getattr(req, name)

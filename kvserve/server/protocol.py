@@ -60,6 +60,41 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    """OpenAI's response_format.json_schema (`schema` is a pydantic name: aliased)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_schema(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise FieldError("json_schema", "is required when type is 'json_schema'")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise FieldError("json_schema", f"is only allowed when type is 'json_schema', not {self.type!r}")
+        return self
+
+
+class StructuredOutputsRequest(_Strict):
+    """vLLM's `structured_outputs` extra field: one of json, regex, choice, grammar, json_object."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
 class _SamplingRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -88,6 +123,14 @@ class _SamplingRequest(_Strict):
     # Prefix-cache isolation (vLLM's field): cached prefixes are shared only among requests with
     # the same salt.
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
+    # guided_* spellings (one constraint per request; kvserve/server/structured.py).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _check_unsupported(self):
@@ -137,18 +180,37 @@ class TextPart(_Strict):
     text: str
 
 
-Role = Literal["system", "developer", "user", "assistant"]
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessage(_Strict):
     role: Role
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool's result: which call it answers
 
     @model_validator(mode="after")
     def _check_content(self):
         if self.content is None and self.role != "assistant":
             raise FieldError("content", f"is required for a {self.role!r} message")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise FieldError("tool_calls", f"is only allowed in an 'assistant' message, not {self.role!r}")
+        if self.role == "tool" and not self.tool_call_id:
+            raise FieldError("tool_call_id", "is required for a 'tool' message")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise FieldError("tool_call_id", f"is only allowed in a 'tool' message, not {self.role!r}")
         return self
 
     @property
@@ -160,8 +222,25 @@ class ChatMessage(_Strict):
         return "".join(part.text for part in self.content)
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text"]
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -170,9 +249,8 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
-    tools: list[dict] | None = None
-    tool_choice: Literal["none"] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     # vLLM extensions: open the assistant's turn; or, with add_generation_prompt false, continue
     # the final message; extra variables for the chat template (e.g. enable_thinking).
@@ -182,8 +260,6 @@ class ChatCompletionRequest(_SamplingRequest):
 
     @model_validator(mode="after")
     def _check_chat(self):
-        if self.tools:
-            raise FieldError("tools", "is not supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise FieldError("top_logprobs", "requires logprobs to be true")
         return self
@@ -265,7 +341,23 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    """One streamed piece of a tool call: the first carries id, type and name, the rest
+    argument fragments (OpenAI's delta shape)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
 
 
 class ChatChoice(BaseModel):
@@ -289,6 +381,7 @@ class ChatCompletionResponse(BaseModel):
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -35,6 +35,7 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False  # set on SIGTERM: new API requests get 503
     inflight: int = 0  # API requests being handled (streams included), counted by the gateway
+    tool_parser: str | None = None  # the tool-call format of tool_choice "auto" (None: no auto tool calls)
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -24,6 +24,7 @@ from kvserve.model.attention import KVCache
 from kvserve.model.config import LayerGroup
 from kvserve.sampling import Sampler
 from kvserve.sampling.sampler import SamplerOutput, penalizes
+from kvserve.sampling_params import SamplingParams
 from kvserve.sequence import Sequence
 from kvserve.speculative.proposers import Draft, Drafter, ModelDrafter, NgramDrafter
 from kvserve.speculative.rejection import accept_greedy, rejection_sample
@@ -44,6 +45,13 @@ class DraftTarget:
     runner: ModelRunner
     kv_cache: KVCache
     layer_groups: list[LayerGroup]
+
+
+def _never_drafts(p: SamplingParams) -> bool:
+    """Penalties depend on every token before a position, and a grammar's mask on its state
+    after them: such rows decode plainly (drafts would need a per-position mask to verify). A
+    bias would too: verification scores drafts on the raw logits."""
+    return penalizes(p) or p.structured_outputs is not None or bool(p.logit_bias)
 
 
 class SpeculativeDecoder:
@@ -122,18 +130,16 @@ class SpeculativeDecoder:
     # ---------------------------------------------------------------- per sequence
     def attach(self, seqs: list[Sequence]) -> None:
         """A new request's samples: with a separate draft pool, each one's draft cache starts empty
-        (a prefix hit fills it); penalized or biased ones never draft."""
+        (a prefix hit fills it); penalized, biased and constrained ones never draft."""
         for s in seqs:
-            if self.draft_runner is not None and not penalizes(s.params) and not s.params.logit_bias:
+            if self.draft_runner is not None and not _never_drafts(s.params):
                 s.num_draft_computed = 0
 
     def budget(self, seq: Sequence, max_model_len: int) -> int:
         """Draft tokens seq may be verified with next step: never more than it may still emit."""
         p = seq.params
-        if self.drafter is None or penalizes(p):
-            return 0  # penalties depend on every token before a position: decode plainly
-        if p.logit_bias:
-            return 0  # verification scores drafts on the raw logits
+        if self.drafter is None or _never_drafts(p):
+            return 0
         if len(seq.output_token_ids) < p.min_tokens:
             return 0  # eos is masked per position until then: plain sampling handles it
         left = max_model_len if p.max_tokens is None else p.max_tokens - len(seq.output_token_ids)
