@@ -281,7 +281,6 @@ BAD = {
                               "tools[0].function.name"),
     "parameters not an object": (_chat(tools=[{"type": "function", "function": {"name": "f", "parameters": []}}]),
                                  "tools[0].function.parameters"),
-    "unknown field in a tool": (_chat(tools=[{**TIME, "extra": 1}]), "tools[0].extra"),
     "tools not a list": (_chat(tools={"type": "function"}), "tools"),
     "empty tools": (_chat(tools=[]), "tools"),
     "repeated tool names": (_chat(tools=[TIME, TIME]), "tools[1].function.name"),
