@@ -58,6 +58,20 @@ def core_share(rank: int, world: int, cores: list[int]) -> list[int]:
 
 
 @dataclass
+class CoreRestore:
+    """The process's cores and torch threads before a rank bound them; calling it restores them, once."""
+
+    cores: set[int] | None = None
+    threads: int | None = None
+
+    def __call__(self) -> None:
+        if self.cores is not None:
+            _set_process_affinity(self.cores)
+            torch.set_num_threads(self.threads)
+            self.cores = None
+
+
+@dataclass
 class ParallelGroup:
     """One tensor-parallel group as seen by one rank."""
 
@@ -68,8 +82,7 @@ class ParallelGroup:
     store: object = None
     procs: list[subprocess.Popen] = field(default_factory=list)  # rank 0's spawned workers
     failure: str | None = None  # why the group is dead (then every call raises)
-    _saved_affinity: set[int] | None = None
-    _saved_threads: int | None = None
+    restore: CoreRestore = field(default_factory=lambda: CoreRestore())  # the cores and threads before bind_cores
     allreduce_seconds: float = 0.0  # time inside all-reduces (benchmarks/tensor_parallel.py)
     allreduce_calls: int = 0
 
@@ -148,7 +161,7 @@ class ParallelGroup:
             return
         cores = sorted(os.sched_getaffinity(0))
         mine = set(core_share(self.rank, self.world, cores))
-        self._saved_affinity, self._saved_threads = set(cores), torch.get_num_threads()
+        self.restore.cores, self.restore.threads = set(cores), torch.get_num_threads()
         _set_process_affinity(mine)
         torch.set_num_threads(num_threads or len(mine))
         log.info("tensor-parallel rank %d: cores %s, %d threads", self.rank, sorted(mine), torch.get_num_threads())
@@ -175,10 +188,7 @@ class ParallelGroup:
                 p.kill()
                 p.wait()
         self.failure = self.failure or "the tensor-parallel group is closed"
-        if self._saved_affinity is not None:
-            _set_process_affinity(self._saved_affinity)
-            torch.set_num_threads(self._saved_threads)
-            self._saved_affinity = None
+        self.restore()
 
 
 def _exit_text(code: int) -> str:

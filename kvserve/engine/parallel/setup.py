@@ -16,7 +16,7 @@ from kvserve.accel.prepare import prepare_model
 from kvserve.config import EngineConfig
 from kvserve.engine.parallel.group import ParallelGroup, TensorParallelError, join, launch, torchrun_env
 from kvserve.engine.parallel.runner import TensorParallelRunner
-from kvserve.engine.parallel.shard import AllReduce, shard_model
+from kvserve.engine.parallel.shard import AllReduce, check_float_weights, check_shardable, shard_model
 from kvserve.loading import LoadedModel, load_model
 from kvserve.loading.loader import compute_dtype
 from kvserve.model.attention import KVCache
@@ -34,17 +34,23 @@ class LoadSpec:
     num_threads: int | None
 
 
-def load_shard(group: ParallelGroup, spec: LoadSpec, loaded: LoadedModel | None = None) -> LoadedModel:
-    """This rank's shard of the model (from `loaded` when given: it is left as it was), prepared
-    with the fast paths that run per rank (packed panels; not the greedy screen, whose argmax
-    would be of this rank's rows only)."""
-    full = loaded or load_model(spec.source, spec.dtype, group.device)
+def load_shard(group: ParallelGroup, spec: LoadSpec, full: LoadedModel | None = None) -> LoadedModel:
+    """This rank's shard of the model (of `full` when given: it is left as it was, else loaded
+    here), prepared with the fast paths that run per rank (packed panels; not the greedy screen,
+    whose argmax would be of this rank's rows only)."""
+    full = full or load_model(spec.source, spec.dtype, group.device)
     model = shard_model(full.model, group.rank, group.world, AllReduce(group))
     tokenizer, source = full.tokenizer, full.source
-    del full  # this rank's slices are its own tensors: the full copy goes (unless the caller holds it)
+    del full  # this rank's slices are its own tensors: the full copy goes (unless a caller holds it)
     prepare_model(model, group.device, pack=spec.pack_weights, what=f"rank {group.rank} shard")
     drop_head_screen(model)
     return LoadedModel(model, model.config, tokenizer, Path(source))
+
+
+def check_model(model: torch.nn.Module, world: int) -> None:
+    """What a split needs, checked on rank 0 before the workers load anything."""
+    check_shardable(model.config, world)
+    check_float_weights(model)
 
 
 def ready(group: ParallelGroup) -> None:
@@ -61,14 +67,20 @@ def start(cfg: EngineConfig, loaded: LoadedModel | None, path: Path | None) -> t
     if env is not None and env[0] != 0:
         group = join(env[0], world, cfg.device, "", 0)
         raise SystemExit(serve(group))
+    if loaded is not None:
+        check_model(loaded.model, world)  # before any process starts
     group = launch(world, cfg.device)
-    _close_at_exit(group)
     try:
         group.bind_cores(cfg.num_threads)
+        _close_at_exit(group)
         dtype = next(loaded.model.parameters()).dtype if loaded else compute_dtype(cfg.dtype, cfg.device)
         spec = LoadSpec(str(loaded.source if loaded else path), dtype, cfg.pack_weights, cfg.num_threads)
+        # Rank 0 reads the model while the workers start; they load once it proved splittable.
+        full = loaded or load_model(path, dtype, group.device)
+        check_model(full.model, world)
         group.send_object(("load", spec))
-        shard = load_shard(group, spec, loaded)
+        shard = load_shard(group, spec, full)
+        del full
         ready(group)
     except BaseException:
         group.close()
@@ -119,13 +131,13 @@ def serve(group: ParallelGroup) -> int:
 
 
 def _close_at_exit(group: ParallelGroup) -> None:
-    """Workers never outlive their engine: stopped when the group is collected or the
-    interpreter exits (a killed parent is the workers' own watch: group.exit_with_parent)."""
-    procs = group.procs
-    weakref.finalize(group, _kill, procs)
+    """Workers never outlive their engine, nor does its hold on the cores: both undone when the
+    group is collected unclosed or the interpreter exits (a killed parent is the workers' own
+    watch: group.exit_with_parent)."""
+    weakref.finalize(group, _release, group.procs, group.restore)
 
 
-def _kill(procs) -> None:
+def _release(procs, restore) -> None:
     for p in procs:
         if p.poll() is None:
             p.terminate()
@@ -134,3 +146,4 @@ def _kill(procs) -> None:
             p.wait(timeout=5)
         except Exception:
             p.kill()
+    restore()
