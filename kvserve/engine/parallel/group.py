@@ -160,7 +160,9 @@ class ParallelGroup:
         if not hasattr(os, "sched_getaffinity") or self.device.type != "cpu":
             return
         cores = sorted(os.sched_getaffinity(0))
-        mine = set(core_share(self.rank, self.world, cores))
+        # Under torchrun the ranks on this host split its cores (LOCAL_RANK of LOCAL_WORLD_SIZE).
+        local, size = int(os.environ.get("LOCAL_RANK", self.rank)), int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        mine = set(core_share(local, size, cores))
         self.restore.cores, self.restore.threads = set(cores), torch.get_num_threads()
         _set_process_affinity(mine)
         torch.set_num_threads(num_threads or len(mine))

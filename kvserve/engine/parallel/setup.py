@@ -36,9 +36,10 @@ class LoadSpec:
 
 def load_shard(group: ParallelGroup, spec: LoadSpec, full: LoadedModel | None = None) -> LoadedModel:
     """This rank's shard of the model (of `full` when given: it is left as it was, else loaded
-    here), prepared with the fast paths that run per rank (packed panels; not the greedy screen,
+    here; refused unless it splits over the ranks), prepared with the fast paths that run per rank (packed panels; not the greedy screen,
     whose argmax would be of this rank's rows only)."""
     full = full or load_model(spec.source, spec.dtype, group.device)
+    check_model(full.model, group.world)
     model = shard_model(full.model, group.rank, group.world, AllReduce(group))
     tokenizer, source = full.tokenizer, full.source
     del full  # this rank's slices are its own tensors: the full copy goes (unless a caller holds it)
@@ -75,12 +76,8 @@ def start(cfg: EngineConfig, loaded: LoadedModel | None, path: Path | None) -> t
         _close_at_exit(group)
         dtype = next(loaded.model.parameters()).dtype if loaded else compute_dtype(cfg.dtype, cfg.device)
         spec = LoadSpec(str(loaded.source if loaded else path), dtype, cfg.pack_weights, cfg.num_threads)
-        # Rank 0 reads the model while the workers start; they load once it proved splittable.
-        full = loaded or load_model(path, dtype, group.device)
-        check_model(full.model, world)
-        group.send_object(("load", spec))
-        shard = load_shard(group, spec, full)
-        del full
+        group.send_object(("load", spec))  # every rank loads at once (each checks the split: shard_model)
+        shard = load_shard(group, spec, loaded)
         ready(group)
     except BaseException:
         group.close()
@@ -110,7 +107,11 @@ def serve(group: ParallelGroup) -> int:
             return 0
         spec: LoadSpec = msg[1]
         group.bind_cores(spec.num_threads)
-        shard = load_shard(group, spec)
+        try:
+            shard = load_shard(group, spec)
+        except ValueError as exc:  # rank 0 raises the same (a model that does not split)
+            print(f"kvserve: tensor-parallel rank {group.rank}: {exc}", file=sys.stderr)
+            return 1
         ready(group)
         msg = group.recv_object(idle=True)
         if msg[0] == "stop":

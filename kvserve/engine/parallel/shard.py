@@ -178,10 +178,9 @@ def check_float_weights(model: CausalLM) -> None:
 def shard_model(model: CausalLM, rank: int, world: int, reduce: AllReduce) -> CausalLM:
     """A new model holding rank's slices of `model`'s weights (its own tensors: `model` may be
     dropped, or kept by its owner unchanged), at local shapes, its row-parallel projections and
-    embedding summing over the ranks through `reduce`."""
+    embedding summing over the ranks through `reduce`. The caller checked that it splits
+    (check_shardable, check_float_weights)."""
     plan = ShardPlan(rank, world, model.config)
-    check_shardable(model.config, world)
-    check_float_weights(model)
     device = model.embed_tokens.weight.device
     out = empty_model(plan.local_config())
     out.embed_tokens = VocabParallelEmbedding(plan.vocab_rows, model.config.hidden_size, plan.vocab_start,
