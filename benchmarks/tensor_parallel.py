@@ -1,6 +1,8 @@
 """Tensor parallelism on this CPU: TP=1 against TP=2 (two processes over gloo, one core each on
 a 2-core machine) on the bundled Gemma 3 270M.
 
+TP=1 runs twice: with torch's threads and with one thread (one rank's share of two cores).
+
 1. Start-up: seconds until the engine is ready (TP=2: the worker's start, both ranks' loads,
    shards and packed panels).
 2. Decode: one greedy request of `--decode-tokens` tokens, tok/s from its TPOT.
@@ -32,11 +34,12 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Robert Boulter is a
            "import numpy as np\n", "The three laws of thermodynamics are"]
 
 
-def engine_numbers(tp: int, args) -> dict:
+def engine_numbers(tp: int, args, threads: int | None = None) -> dict:
     from kvserve import LLM, SamplingParams
 
+    before_threads = torch.get_num_threads()
     t = time.perf_counter()
-    llm = LLM(kv_cache_gib=0.5, tensor_parallel_size=tp)
+    llm = LLM(kv_cache_gib=0.5, tensor_parallel_size=tp, num_threads=threads)
     start = time.perf_counter() - t
     group = llm.engine.tp_group
     layers = llm.engine.model_config.num_layers
@@ -50,7 +53,7 @@ def engine_numbers(tp: int, args) -> dict:
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True))
         wall = time.perf_counter() - t
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        res = {"tensor_parallel_size": tp, "start_s": round(start, 2), "decode_tok_s": round(decode, 2),
+        res = {"tensor_parallel_size": tp, "threads_per_rank": torch.get_num_threads(), "start_s": round(start, 2), "decode_tok_s": round(decode, 2),
                "throughput_tok_s": round(tokens / wall, 2), "num_requests": args.num_requests,
                "output_tokens": args.output_tokens}
         if group is not None:
@@ -63,6 +66,7 @@ def engine_numbers(tp: int, args) -> dict:
         return res
     finally:
         llm.close()
+        torch.set_num_threads(before_threads)
 
 
 def allreduce_latency(rank: int, store, rows: int, iters: int) -> list[float] | None:
@@ -84,8 +88,10 @@ def allreduce_latency(rank: int, store, rows: int, iters: int) -> list[float] | 
 def micro(rows: int, iters: int = 300) -> dict:
     store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
     peer = subprocess.Popen([sys.executable, __file__, "--peer", str(store.port), str(rows), str(iters)])
+    threads = torch.get_num_threads()
     times = allreduce_latency(0, store, rows, iters)
     os.sched_setaffinity(0, range(os.cpu_count()))
+    torch.set_num_threads(threads)
     peer.wait()
     times = sorted(times[20:])
     return {"rows": rows, "p50_us": round(1e6 * statistics.median(times), 1),
@@ -103,8 +109,13 @@ def main() -> None:
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--json-dir", default=None)
     args = p.parse_args()
-    data = {"runs": [engine_numbers(tp, args) for tp in (1, 2)],
-            "allreduce_alone": [micro(1), micro(16)], "measured_at": datetime.datetime.now().isoformat()}
+    # TP=1 twice: with torch's threads (the machine's cores) and with one thread, a rank's share
+    # of a 2-core machine under TP=2 (the split's own cost, apart from the cores it gets).
+    load = os.getloadavg()
+    runs = [engine_numbers(1, args), engine_numbers(1, args, threads=1), engine_numbers(2, args)]
+    data = {"runs": runs, "allreduce_alone": [micro(1), micro(16)],
+            "load_average_before_after": [round(load[0], 2), round(os.getloadavg()[0], 2)],
+            "measured_at": datetime.datetime.now().isoformat()}
     print(json.dumps(data, indent=1))
     print(machine(), file=sys.stderr)
     save_json("tensor_parallel", data, args.json_dir)

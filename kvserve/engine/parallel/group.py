@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 # server's workers wait for hours).
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("KVSERVE_TP_TIMEOUT", "300")))
 IDLE_TIMEOUT = datetime.timedelta(days=365)
+START_TIMEOUT = datetime.timedelta(seconds=600)  # the rendezvous: every rank's process started and met
 WORKER_MODULE = "kvserve.engine.parallel.worker"
 
 
@@ -75,7 +76,8 @@ class CoreRestore:
 class ParallelGroup:
     """One tensor-parallel group as seen by one rank."""
 
-    pg: object  # a ProcessGroupGloo / ProcessGroupNCCL
+    pg: object  # the tensors' group: ProcessGroupGloo on the CPU, ProcessGroupNCCL on CUDA
+    cpu_pg: object  # step messages and barriers (host memory): ProcessGroupGloo (`pg` itself on the CPU)
     rank: int
     world: int
     device: torch.device
@@ -95,12 +97,15 @@ class ParallelGroup:
         self.allreduce_calls += 1
         return t
 
-    def gather(self, t: torch.Tensor) -> list[torch.Tensor] | None:
+    def gather(self, t: torch.Tensor, timeout: datetime.timedelta | None = None) -> list[torch.Tensor] | None:
         """Every rank's `t` (same shape) on rank 0, in rank order; None on the others."""
         out = [torch.empty_like(t) for _ in range(self.world)] if self.rank == 0 else []
         opts = dist.GatherOptions()
         opts.rootRank = 0
-        self._wait(self.pg.gather([out] if self.rank == 0 else [], [t], opts), "gather")
+        if timeout is not None:
+            opts.timeout = timeout
+        pg = self.cpu_pg if t.device.type == "cpu" else self.pg
+        self._wait(pg.gather([out] if self.rank == 0 else [], [t], opts), "gather")
         return out if self.rank == 0 else None
 
     def send_object(self, obj) -> None:
@@ -122,7 +127,7 @@ class ParallelGroup:
         opts.rootRank = 0
         if timeout is not None:
             opts.timeout = timeout
-        self._wait(self.pg.broadcast([t], opts), "broadcast")
+        self._wait(self.cpu_pg.broadcast([t], opts), "broadcast")
 
     def _wait(self, work, what: str) -> None:
         self.check()
@@ -210,17 +215,22 @@ def _set_process_affinity(cores: set[int]) -> None:
             pass
 
 
-def _make_pg(store, rank: int, world: int, device: torch.device, host: str | None):
-    """gloo on the CPU (bound to `host`'s interface when given: loopback for a local group), NCCL on CUDA."""
-    if device.type == "cuda":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = COLLECTIVE_TIMEOUT
-        return dist.ProcessGroupNCCL(store, rank, world, opts)
+def _make_groups(store, rank: int, world: int, device: torch.device, host: str | None) -> tuple[object, object]:
+    """(the tensors' group, the messages' group): gloo for both on the CPU (bound to `host`'s
+    interface when given: loopback for a local group); on CUDA NCCL for the tensors and gloo
+    beside it for the messages, which live in host memory."""
     opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = COLLECTIVE_TIMEOUT
+    opts._timeout = START_TIMEOUT  # connecting waits for every rank's process to start
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host) if host
                      else dist.ProcessGroupGloo.create_default_device()]
-    return dist.ProcessGroupGloo(store, rank, world, opts)
+    gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world, opts)
+    gloo.set_timeout(COLLECTIVE_TIMEOUT)
+    if device.type != "cuda":
+        return gloo, gloo
+    torch.cuda.set_device(device)
+    nccl_opts = dist.ProcessGroupNCCL.Options()
+    nccl_opts._timeout = COLLECTIVE_TIMEOUT  # (NCCL connects lazily, at its first collective)
+    return dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, world, nccl_opts), gloo
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -241,29 +251,30 @@ def launch(world: int, device: str) -> ParallelGroup:
             raise ValueError(f"tensor_parallel_size {world} does not match the launcher's WORLD_SIZE {size}")
         return join(rank, world, device, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
     host = "127.0.0.1"
-    store = dist.TCPStore(host, 0, world, is_master=True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
+    store = dist.TCPStore(host, 0, world, is_master=True, timeout=START_TIMEOUT, wait_for_workers=False)
     procs = [_spawn(rank, world, device, host, store.port) for rank in range(1, world)]
     dev = rank_device(device, 0)
     try:
-        pg = _make_pg(store, 0, world, dev, host)
+        pg, cpu_pg = _make_groups(store, 0, world, dev, host)
     except Exception:
         for p in procs:
             p.kill()
         raise
     log.info("tensor parallelism: %d ranks over %s (workers %s)", world, "nccl" if dev.type == "cuda" else "gloo",
              [p.pid for p in procs])
-    return ParallelGroup(pg, 0, world, dev, store, procs)
+    return ParallelGroup(pg, cpu_pg, 0, world, dev, store, procs)
 
 
 def join(rank: int, world: int, device: str, host: str, port: int) -> ParallelGroup:
     """Any rank joining the group whose store rank 0 holds at host:port (torchrun's or ours)."""
     if torchrun_env() is not None:  # the launcher's store rules (its agent's store, or rank 0's)
-        store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=COLLECTIVE_TIMEOUT))
+        store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=START_TIMEOUT))
     else:
-        store = dist.TCPStore(host, port, world, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+        store = dist.TCPStore(host, port, world, is_master=False, timeout=START_TIMEOUT)
     dev = rank_device(device, rank)
     local = host in ("127.0.0.1", "localhost")
-    return ParallelGroup(_make_pg(store, rank, world, dev, host if local else None), rank, world, dev, store)
+    pg, cpu_pg = _make_groups(store, rank, world, dev, host if local else None)
+    return ParallelGroup(pg, cpu_pg, rank, world, dev, store)
 
 
 def _spawn(rank: int, world: int, device: str, host: str, port: int) -> subprocess.Popen:

@@ -100,4 +100,4 @@ class TensorParallelRunner(ModelRunner):
             return None
         both = torch.stack(parts)  # [ranks, rows, 2]
         rank = both[:, :, 0].argmax(dim=0)  # the first (lowest-id) rank among equal maxima
-        return both[rank, torch.arange(both.shape[1]), 1].long()
+        return both[rank, torch.arange(both.shape[1], device=both.device), 1].long()

@@ -14,7 +14,7 @@ import torch
 from kvserve.accel.greedy_head import drop_head_screen
 from kvserve.accel.prepare import prepare_model
 from kvserve.config import EngineConfig
-from kvserve.engine.parallel.group import ParallelGroup, TensorParallelError, join, launch, torchrun_env
+from kvserve.engine.parallel.group import START_TIMEOUT, ParallelGroup, TensorParallelError, join, launch, torchrun_env
 from kvserve.engine.parallel.runner import TensorParallelRunner
 from kvserve.engine.parallel.shard import AllReduce, check_float_weights, check_shardable, shard_model
 from kvserve.loading import LoadedModel, load_model
@@ -57,7 +57,7 @@ def check_model(model: torch.nn.Module, world: int) -> None:
 def ready(group: ParallelGroup) -> None:
     """Every rank reached this point (a worker that failed to get here has exited: rank 0 learns
     it here, with its exit status)."""
-    group.gather(torch.zeros(1))
+    group.gather(torch.zeros(1), START_TIMEOUT)  # (as long as a load takes; a host tensor: the messages' group)
 
 
 def start(cfg: EngineConfig, loaded: LoadedModel | None, path: Path | None) -> tuple[ParallelGroup, LoadedModel]:
