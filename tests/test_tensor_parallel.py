@@ -204,6 +204,7 @@ def test_a_killed_worker_fails_the_requests_without_a_hang(tiny_folders):
     assert isinstance(result.get("error"), TensorParallelError), result
     assert f"pid {pid}" in str(result["error"]) and "signal 9" in str(result["error"])
     assert not llm.engine.has_unfinished()  # generate aborted what was left
+    assert "signal 9" in llm.engine.fatal_error  # (what makes a server's /health answer 503 at once)
     llm.engine.add_request([5, 6, 7], SamplingParams(max_tokens=2))
     with pytest.raises(TensorParallelError):
         llm.engine.step()

@@ -204,6 +204,11 @@ class LLMEngine:
             self.tp_group.check()  # a dead rank: its step's requests failed above; the engine cannot go on
         return self.output_processor.make_outputs(self.requests, touched)
 
+    @property
+    def fatal_error(self) -> str | None:
+        """Why this engine can never step again (a tensor-parallel rank died), else None."""
+        return None if self.tp_group is None else self.tp_group.failure
+
     def close(self) -> None:
         """Stop the tensor-parallel workers (nothing to do for one process); the engine cannot step after."""
         if self.tp_group is not None:

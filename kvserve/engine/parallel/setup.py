@@ -36,8 +36,8 @@ class LoadSpec:
 
 def load_shard(group: ParallelGroup, spec: LoadSpec, full: LoadedModel | None = None) -> LoadedModel:
     """This rank's shard of the model (of `full` when given: it is left as it was, else loaded
-    here; refused unless it splits over the ranks), prepared with the fast paths that run per rank (packed panels; not the greedy screen,
-    whose argmax would be of this rank's rows only)."""
+    here; refused unless it splits over the ranks), prepared with the fast paths that run per
+    rank (packed panels; not the greedy screen, whose argmax would be of this rank's rows only)."""
     full = full or load_model(spec.source, spec.dtype, group.device)
     check_model(full.model, group.world)
     model = shard_model(full.model, group.rank, group.world, AllReduce(group))
@@ -80,7 +80,7 @@ def start(cfg: EngineConfig, loaded: LoadedModel | None, path: Path | None) -> t
         shard = load_shard(group, spec, loaded)
         ready(group)
     except BaseException:
-        group.close()
+        _give_up(group)
         raise
     return group, shard
 
@@ -93,7 +93,7 @@ def driver_runner(group: ParallelGroup, model: torch.nn.Module, cache: KVCache, 
         group.send_object(("pool", cache_args, block_size))
         ready(group)
     except BaseException:
-        group.close()
+        _give_up(group)
         raise
     return TensorParallelRunner(group, model, cache, block_size, group.device)
 
@@ -129,6 +129,13 @@ def serve(group: ParallelGroup) -> int:
     except TensorParallelError as exc:
         print(f"kvserve: tensor-parallel rank {group.rank}: {exc}", file=sys.stderr)
         return 1
+
+
+def _give_up(group: ParallelGroup) -> None:
+    """Start-up failed on rank 0: the workers may be anywhere in it (loading, in a barrier), so
+    they are killed rather than told to stop."""
+    group.abort()
+    group.close()
 
 
 def _close_at_exit(group: ParallelGroup) -> None:
