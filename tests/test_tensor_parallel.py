@@ -1,7 +1,7 @@
 """Tensor parallelism (kvserve/engine/parallel/): two processes over gloo compute the greedy
 tokens of one process, the workers' lifecycle follows the engine's, and what does not split is
-refused by name. One TP=2 engine per model, shared by the module's tests (each costs a process
-start and a model load)."""
+refused by name. Each TP engine costs a process start and a model load, so each model gets one,
+running one workload that covers the scheduler's paths at once."""
 from __future__ import annotations
 
 import os
