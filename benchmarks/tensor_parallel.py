@@ -53,9 +53,9 @@ def engine_numbers(tp: int, args, threads: int | None = None) -> dict:
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True))
         wall = time.perf_counter() - t
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        res = {"tensor_parallel_size": tp, "threads_per_rank": torch.get_num_threads(), "start_s": round(start, 2), "decode_tok_s": round(decode, 2),
-               "throughput_tok_s": round(tokens / wall, 2), "num_requests": args.num_requests,
-               "output_tokens": args.output_tokens}
+        res = {"tensor_parallel_size": tp, "threads_per_rank": torch.get_num_threads(), "start_s": round(start, 2),
+               "decode_tok_s": round(decode, 2), "throughput_tok_s": round(tokens / wall, 2),
+               "num_requests": args.num_requests, "output_tokens": args.output_tokens}
         if group is not None:
             calls = group.allreduce_calls - before[0]
             seconds = group.allreduce_seconds - before[1]

@@ -143,7 +143,7 @@ class ParallelGroup:
         if self.failure is None:
             for i, p in enumerate(self.procs, start=1):
                 if p.poll() is not None:
-                    self.failure = f"tensor-parallel worker rank {i} (pid {p.pid}) exited with {_exit_text(p.returncode)}"
+                    self.failure = _exited(i, p)
         if self.failure is not None:
             raise TensorParallelError(self.failure)
 
@@ -153,7 +153,7 @@ class ParallelGroup:
         while time.monotonic() < deadline:
             for i, p in enumerate(self.procs, start=1):
                 if p.poll() is not None:
-                    return f"tensor-parallel worker rank {i} (pid {p.pid}) exited with {_exit_text(p.returncode)}"
+                    return _exited(i, p)
             if not self.procs:
                 break
             time.sleep(0.05)
@@ -198,8 +198,9 @@ class ParallelGroup:
         self.restore()
 
 
-def _exit_text(code: int) -> str:
-    return f"signal {-code}" if code < 0 else f"code {code}"
+def _exited(rank: int, p: subprocess.Popen) -> str:
+    how = f"signal {-p.returncode}" if p.returncode < 0 else f"code {p.returncode}"
+    return f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with {how}"
 
 
 def _set_process_affinity(cores: set[int]) -> None:
