@@ -4,6 +4,7 @@ refused by name. Each TP engine costs a process start and a model load, so each 
 running one workload that covers the scheduler's paths at once."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -232,3 +233,50 @@ def test_core_shares_are_disjoint():
     assert [core_share(r, 2, [0, 1]) for r in range(2)] == [[0], [1]]
     assert [core_share(r, 3, list(range(8))) for r in range(3)] == [[0, 1, 2], [3, 4, 5], [6, 7]]
     assert [core_share(r, 4, [0, 1]) for r in range(4)] == [[0], [1], [0], [1]]
+
+
+class _Gather:
+    """A stand-in for two ranks' gather: rank 1 records what it sends, rank 0 receives both."""
+
+    sent: list = []
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def gather(self, t):
+        _Gather.sent.append(t)
+        return None if self.rank else list(_Gather.sent[::-1]) if len(_Gather.sent) == 2 else None
+
+
+def test_vocab_shards_with_padding_give_the_full_lookup_and_argmax(tiny_folders):
+    """321 rows over two ranks: 161 + 160 and a zero padding row. Summed lookups are the table's
+    rows; the gathered (max, argmax) pairs pick torch.argmax's token, a tie going to the lower id."""
+    from types import SimpleNamespace
+
+    from kvserve.engine.parallel.runner import TensorParallelRunner
+    from kvserve.engine.parallel.shard import VocabParallelEmbedding
+
+    cfg = dataclasses.replace(load_model(tiny_folders["llama"]).config, vocab_size=321)
+    table = torch.randn(321, 8)
+    plans = [ShardPlan(r, 2, cfg) for r in (0, 1)]
+    parts = [p.slice("embed_tokens.weight", table) for p in plans]
+    assert [p.vocab_valid for p in plans] == [161, 160] and parts[1].shape == (161, 8)
+    assert torch.equal(torch.cat(parts)[:321], table) and not parts[1][160].any()
+    embs = []
+    for p, w in zip(plans, parts):
+        emb = VocabParallelEmbedding(p.vocab_rows, 8, p.vocab_start, p.vocab_valid)
+        emb.weight = torch.nn.Parameter(w, requires_grad=False)
+        embs.append(emb)
+    ids = torch.tensor([0, 160, 161, 320, 7])
+    assert torch.equal(embs[0](ids) + embs[1](ids), table[ids])
+
+    logits = torch.randn(3, 321)
+    logits[1, 5] = logits[1, 200] = logits[1].max() + 1  # a tie across the ranks: the lower id wins
+    logits[2, :] = -1.0  # the padding row's zero logit must not win
+    locals_ = [logits[:, :161], torch.cat([logits[:, 161:], torch.zeros(3, 1)], 1)]  # rank 1: its padding row
+    _Gather.sent = []
+    TensorParallelRunner._argmax(SimpleNamespace(model=SimpleNamespace(embed_tokens=embs[1]), group=_Gather(1)),
+                                 locals_[1])
+    got = TensorParallelRunner._argmax(SimpleNamespace(model=SimpleNamespace(embed_tokens=embs[0]), group=_Gather(0)),
+                                       locals_[0])
+    assert got.tolist() == logits.argmax(dim=-1).tolist() and got[1] == 5 and got[2] == 0
