@@ -34,6 +34,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV pages of a prompt prefix computed before (on by default)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
+                   help="split the model over N processes (rank 0 is this one; gloo on the CPU, NCCL on CUDA), each "
+                        "bound to its share of the cores; under torchrun, over its ranks (%(default)s)")
     _add_weights_arg(p)
     g = p.add_argument_group("StreamingLLM (constant KV memory past the context length)")
     g.add_argument("--attention-sinks", type=int, default=0, help="S: first tokens every layer keeps for good")
@@ -89,7 +92,8 @@ def decoding_config(args: argparse.Namespace) -> dict:
                 attention_sinks=args.attention_sinks, streaming_window=args.streaming_window,
                 kv_cache_dtype=args.kv_cache_dtype, weights=args.weights, gguf_activations=args.gguf_activations,
                 pack_weights=args.pack_weights,
-                compile=args.compile, enforce_eager=args.enforce_eager)
+                compile=args.compile, enforce_eager=args.enforce_eager,
+                tensor_parallel_size=args.tensor_parallel_size)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -383,10 +387,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
               max_num_seqs=1, **decoding_config(args))
     t_loaded = time.perf_counter()
     final = None
-    for out in llm.stream(args.prompt, params):
-        sys.stdout.write(out.outputs[0].delta_text)
-        sys.stdout.flush()
-        final = out
+    try:
+        for out in llm.stream(args.prompt, params):
+            sys.stdout.write(out.outputs[0].delta_text)
+            sys.stdout.flush()
+            final = out
+    finally:
+        llm.close()
     sys.stdout.write("\n")
     if not args.quiet_metrics and final is not None:
         m = final.metrics

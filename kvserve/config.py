@@ -155,6 +155,21 @@ class StreamingConfig:
         return self.streaming_window is not None
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split: tensor_parallel_size ranks, each a process holding 1/N of every
+    layer (kvserve/engine/parallel/)."""
+
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        _positive_int(self, "tensor_parallel_size")
+
+    @property
+    def enabled(self) -> bool:
+        return self.tensor_parallel_size > 1
+
+
 def _may_name_a_gguf(model: str | os.PathLike) -> bool:
     """A .gguf path, or a Hugging Face name (ORG/NAME:QUANT is one; what ORG/NAME holds is
     known once it is resolved, and the loader checks it then)."""
@@ -249,12 +264,17 @@ class EngineConfig:
     # vector, a PoolerConfig or a dict of its fields (vLLM's `--pooler-config`): pooling_type
     # "LAST" (default) or "MEAN", normalize (default True). Made a PoolerConfig at construction.
     pooler_config: PoolerConfig | dict | None = None
+    # Tensor parallelism (vLLM's --tensor-parallel-size): N processes (rank 0 is this one), each
+    # holding its share of the attention heads, the MLP and the vocabulary, bound to its share of
+    # the cores (gloo on the CPU, NCCL on CUDA). Float weights only.
+    tensor_parallel_size: int = 1
     # The parts, made by __post_init__ from the fields above (not constructor arguments).
     cache_config: CacheConfig = field(init=False, repr=False, compare=False)
     scheduler_config: SchedulerConfig = field(init=False, repr=False, compare=False)
     weights_config: WeightsConfig = field(init=False, repr=False, compare=False)
     speculative_config: SpeculativeConfig = field(init=False, repr=False, compare=False)
     streaming_config: StreamingConfig = field(init=False, repr=False, compare=False)
+    parallel_config: ParallelConfig = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
@@ -280,6 +300,7 @@ class EngineConfig:
         self.weights_config = WeightsConfig(**self._values(WeightsConfig))
         self.speculative_config = SpeculativeConfig(**self._values(SpeculativeConfig))
         self.streaming_config = StreamingConfig(**self._values(StreamingConfig))
+        self.parallel_config = ParallelConfig(**self._values(ParallelConfig))
         self._check_combinations(dev)
 
     @property
@@ -311,6 +332,25 @@ class EngineConfig:
             if self.speculative not in (None, "ngram"):
                 raise ValueError(f"streaming_window works with speculative=None or 'ngram', not {self.speculative!r} "
                                  "(a draft model would need its own streaming cache)")
+
+        if self.parallel_config.enabled:
+            self._check_parallel()
+
+    # Options a tensor-parallel engine does not run (yet), by field.
+    _NOT_PARALLEL = {
+        "speculative": "speculative decoding",
+        "compile": "torch.compile (compile)",
+        "streaming_window": "StreamingLLM (streaming_window)",
+    }
+
+    def _check_parallel(self) -> None:
+        n = self.tensor_parallel_size
+        for name, what in self._NOT_PARALLEL.items():
+            if getattr(self, name) not in (None, False):
+                raise ValueError(f"{name}: {what} is not supported with tensor_parallel_size {n}")
+        if self.weights != "float":
+            raise ValueError(f"weights {self.weights!r} is not supported with tensor_parallel_size {n}: the "
+                             "shards split float weights (weights='float')")
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -28,6 +28,10 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args), loaded=loaded)
         self.tokenizer = self.engine.tokenizer
 
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel workers (a no-op for one process)."""
+        self.engine.close()
+
     @cached_property
     def chat_template(self) -> ChatTemplate:
         """The model's chat template (or the default turn format), as the server renders it."""

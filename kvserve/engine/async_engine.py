@@ -260,8 +260,9 @@ class AsyncLLMEngine:
 
     @property
     def healthy(self) -> bool:
-        """False after UNHEALTHY_AFTER failed steps in a row, until a step succeeds."""
-        return self._consecutive_failures < UNHEALTHY_AFTER
+        """False after UNHEALTHY_AFTER failed steps in a row, until a step succeeds; for good once
+        the engine cannot step at all (a tensor-parallel rank died)."""
+        return self._consecutive_failures < UNHEALTHY_AFTER and self.engine.fatal_error is None
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Abort whatever is left (consumers see finish_reason "abort"), stop the thread."""

@@ -222,6 +222,16 @@ def kv_pool(cfg: CacheConfig, device: str, mc: ModelConfig, groups: list[LayerGr
     return KVPool(cache, page_bytes, num_blocks)
 
 
+def kv_cache_args(cfg: CacheConfig, mc: ModelConfig, groups: list[LayerGroup], kv_dtype: torch.dtype,
+                  num_slots: int) -> dict:
+    """KVCache's arguments (but the device) for a pool of `num_slots` slots as `kv_pool` builds
+    it: what a tensor-parallel worker builds at its local heads, page for page."""
+    heads, k_dim, v_dim = mc.kv_cache_layout
+    return dict(num_layers=mc.num_layers, num_slots=num_slots, num_kv_heads=heads, head_dim=k_dim, dtype=kv_dtype,
+                layer_groups=[g.layers for g in groups], kv_dtype=cfg.kv_cache_dtype, v_head_dim=v_dim,
+                kv_source=mc.kv_source)
+
+
 def block_manager(cfg: CacheConfig, streaming: StreamingConfig, num_blocks: int,
                   groups: list[LayerGroup]) -> BlockManager:
     """Prefix caching needs a KV cache to hit; sink_tokens is 0 unless streaming (StreamingConfig checks)."""
@@ -271,8 +281,8 @@ def scheduler(cfg: SchedulerConfig, spec: SpeculativeConfig, bm: BlockManager, m
 def cuda_graphs_fit(cfg: EngineConfig, mc: ModelConfig, policies: list[StreamPolicy] | None) -> bool:
     """The configuration has the decode steps a graph captures: float weights and the model's own
     paged attention over an unquantized pool (the kernels that read lengths from memory), unless
-    enforce_eager."""
-    return (not cfg.enforce_eager and not cfg.compile
+    enforce_eager; not under tensor parallelism (a captured step would hold the all-reduces)."""
+    return (not cfg.enforce_eager and not cfg.compile and not cfg.parallel_config.enabled
             and cfg.weights == "float" and cfg.kv_cache_dtype == "auto" and cfg.use_kv_cache
             and policies is None and not mc.mla)
 

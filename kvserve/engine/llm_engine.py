@@ -21,6 +21,7 @@ from kvserve.engine import builder, input_processor, step_batch
 from kvserve.engine.grammars import GrammarCompiles
 from kvserve.engine.metrics import RequestMetrics
 from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.parallel import setup as parallel_setup
 from kvserve.engine.output_processor import OutputProcessor, RequestState
 from kvserve.engine.outputs import RequestOutput, error_reference
 from kvserve.engine.scheduler import SchedulerOutput
@@ -47,7 +48,11 @@ class LLMEngine:
         if loaded is None:
             path = builder.model_path(cfg)
             builder.check_memory(cfg, path)
-        self.loaded = builder.load_weights(cfg, loaded, path)
+        self.tp_group = None  # tensor parallelism: rank 0's group (kvserve/engine/parallel/)
+        if cfg.parallel_config.enabled:
+            self.tp_group, self.loaded = parallel_setup.start(cfg, loaded, path)
+        else:
+            self.loaded = builder.load_weights(cfg, loaded, path)
         self.model_config = mc = self.loaded.model.config
         self.tokenizer = self.loaded.tokenizer
         builder.check_model(cfg, mc)
@@ -59,8 +64,14 @@ class LLMEngine:
         pool = builder.kv_pool(cfg.cache_config, cfg.device, mc, self.layer_groups, kv_dtype, graphs,
                                self.max_model_len)
         self.kv_cache, self.page_bytes, self.num_blocks = pool.cache, pool.page_bytes, pool.num_blocks
-        self.runner = ModelRunner(self.loaded.model, self.kv_cache, cfg.block_size, cfg.device,
-                                  stream_policies=self.stream_policies, compile=cfg.compile)
+        if self.tp_group is not None:  # the workers build the same pages at their local heads
+            self.runner = parallel_setup.driver_runner(self.tp_group, self.loaded.model, self.kv_cache,
+                                                       builder.kv_cache_args(cfg.cache_config, mc, self.layer_groups,
+                                                                             kv_dtype, self.kv_cache.num_slots),
+                                                       cfg.block_size)
+        else:
+            self.runner = ModelRunner(self.loaded.model, self.kv_cache, cfg.block_size, cfg.device,
+                                      stream_policies=self.stream_policies, compile=cfg.compile)
         self.block_manager = builder.block_manager(cfg.cache_config, cfg.streaming_config, self.num_blocks,
                                                    self.layer_groups)
         target = DraftTarget(self.loaded, self.runner, self.kv_cache, self.layer_groups)
@@ -238,7 +249,19 @@ class LLMEngine:
         if sched.scheduled:
             step_batch.execute_isolating(sched, functools.partial(self._execute, touched=touched),
                                          functools.partial(self._fail_request, touched=touched))
+        if self.tp_group is not None:
+            self.tp_group.check()  # a dead rank: its step's requests failed above; the engine cannot go on
         return self.output_processor.make_outputs(self.requests, touched)
+
+    @property
+    def fatal_error(self) -> str | None:
+        """Why this engine can never step again (a tensor-parallel rank died), else None."""
+        return None if self.tp_group is None else self.tp_group.failure
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do for one process); the engine cannot step after."""
+        if self.tp_group is not None:
+            self.tp_group.close()
 
     def _expire(self, now: float, touched: set[str]) -> None:
         """Requests past their deadline finish now, with finish_reason "length" and the text
