@@ -139,6 +139,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         pooling = isinstance(params, PoolingParams)
+        if self.config.parallel_config.enabled:
+            _check_tensor_parallel_request(params, pooling)
         structured = None if pooling else params.structured_outputs
         if structured is not None:  # a bad schema / regex / grammar: ValueError now
             self.grammars.backend.check(structured)
@@ -445,3 +447,12 @@ class LLMEngine:
             self.output_processor.expire(seq)
             seq.finish(SequenceStatus.FINISHED_STOPPED, now, token)
             self.scheduler.finish(seq)
+
+
+def _check_tensor_parallel_request(params: SamplingParams | PoolingParams, pooling: bool) -> None:
+    """What a sharded engine cannot give yet: hidden states and prompt logprobs need every
+    rank's forward and the whole vocabulary on rank 0, which only its sampling path gathers."""
+    if pooling:
+        raise ValueError("embeddings are not supported under tensor parallelism (tensor_parallel_size > 1)")
+    if params.prompt_logprobs is not None:
+        raise ValueError("prompt_logprobs is not supported under tensor parallelism (tensor_parallel_size > 1)")
