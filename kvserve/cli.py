@@ -177,6 +177,14 @@ def _add_serve_parser(sub) -> None:
                           "is aborted and its KV blocks freed (%(default)s)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="on SIGTERM, seconds in-flight requests get to finish before they are aborted")
+    dp = srv.add_argument_group("replicas behind this server (Ray Serve; pip install 'kvserve[ray]')")
+    dp.add_argument("--data-parallel-size", type=positive_int, default=1,
+                    help="engine replicas, each with cores / N threads (%(default)s: one engine in this process)")
+    dp.add_argument("--router", choices=["prefix", "round_robin", "pow2"], default="prefix",
+                    help="how a request picks its replica: the one holding its longest prefix (load-guarded), "
+                         "in turn, or the less loaded of two at random (%(default)s)")
+    dp.add_argument("--ray-address", default=None,
+                    help="an existing Ray cluster (default: a local Ray on 127.0.0.1, no dashboard, no usage stats)")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -446,7 +454,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         max_stream_backlog=args.max_stream_backlog,
                         allowed_hosts=None if args.allowed_hosts is None else args.allowed_hosts.split(","),
                         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
-                        chat_template=args.chat_template,
+                        chat_template=args.chat_template, data_parallel_size=args.data_parallel_size,
+                        router=args.router, ray_address=args.ray_address,
                         limits=RequestLimits(max_n=args.max_n, max_stop=args.max_stop, max_stop_chars=args.max_stop_chars,
                                              max_stop_token_ids=args.max_stop_token_ids,
                                              max_json_depth=args.max_json_depth,
@@ -480,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # Packages of optional extras (pyproject.toml) -> the extra that brings them.
-_EXTRAS = {"httpx": "bench", "matplotlib": "bench", "transformers": "convert"}
+_EXTRAS = {"httpx": "bench", "matplotlib": "bench", "transformers": "convert", "ray": "ray"}
 
 
 if __name__ == "__main__":

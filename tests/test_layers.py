@@ -83,7 +83,7 @@ def test_the_cycle_finder_finds_a_cycle():
 
 # What a function may import for itself (outside the command-line files, which import each
 # command's module when it runs): heavy dependencies that only some users install.
-DEFERRED = ("transformers", "matplotlib", "triton", "kvserve.kernels.triton_")
+DEFERRED = ("transformers", "matplotlib", "triton", "kvserve.kernels.triton_", "kvserve.server.replicas.pool")
 
 
 def _local_imports(path: Path) -> list[tuple[int, str, str]]:

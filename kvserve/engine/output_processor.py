@@ -93,7 +93,7 @@ class OutputProcessor:
         if req.finished:
             m.finished_time = max((s.finished_time or 0.0) for s in req.seqs)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps, req.finished, m, req.error,
-                             req.error_status)
+                             req.error_status, num_cached_tokens=lead.num_cached_tokens or 0)
 
     @staticmethod
     def _completion(s: Sequence, kind: RequestOutputKind) -> CompletionOutput:

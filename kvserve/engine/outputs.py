@@ -39,6 +39,7 @@ class RequestOutput:
     metrics: RequestMetrics
     error: str | None = None
     error_status: int = 400  # with `error`: 400, the request is bad; 500, the engine failed on it
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache (usage's cached_tokens)
 
     @property
     def text(self) -> str:

@@ -48,8 +48,10 @@ def build_app(engine: AsyncLLMEngine | LLMEngine, served_model_name: str, api_ke
               limits: RequestLimits | None = None, protect_metrics: bool = False,
               allowed_hosts: list[str] | None = None, body_timeout: float = 60.0,
               chat_template: TemplateSource | None = None) -> FastAPI:
-    """`chat_template`: the template chats render with instead of the model's (--chat-template)."""
-    async_engine = engine if isinstance(engine, AsyncLLMEngine) else AsyncLLMEngine(engine)
+    """`chat_template`: the template chats render with instead of the model's (--chat-template).
+    `engine` may also be a replica set (kvserve/server/replicas/pool.py), which offers what the
+    routes use of an AsyncLLMEngine."""
+    async_engine = AsyncLLMEngine(engine) if isinstance(engine, LLMEngine) else engine
     metrics = ServerMetrics(async_engine.stats, served_model_name)
     if async_engine.observer is None:
         async_engine.observer = metrics

@@ -100,7 +100,8 @@ def _response(job: _Job, finals: list[RequestOutput]) -> CompletionResponse:
 
 def _usage(finals: list[RequestOutput]) -> Usage:
     return Usage.of(sum(len(o.prompt_token_ids) for o in finals),
-                    sum(len(c.token_ids) for o in finals for c in o.outputs))
+                    sum(len(c.token_ids) for o in finals for c in o.outputs),
+                    sum(o.num_cached_tokens for o in finals))
 
 
 async def _stream(job: _Job, streams: list[RequestStream]) -> AsyncIterator[str]:
@@ -108,7 +109,7 @@ async def _stream(job: _Job, streams: list[RequestStream]) -> AsyncIterator[str]
     include_usage = job.include_usage
     offsets: dict[int, int] = {}  # choice index -> characters streamed (logprobs text_offset)
     done: set[int] = set()
-    num_prompt_tokens = num_output_tokens = 0
+    num_prompt_tokens = num_output_tokens = num_cached_tokens = 0
     try:
         async for i, out in merge(streams):
             num_output_tokens += sum(len(c.delta_token_ids) for c in out.outputs)
@@ -124,13 +125,14 @@ async def _stream(job: _Job, streams: list[RequestStream]) -> AsyncIterator[str]
                 yield sse(_chunk(job, [choice], include_usage))
             if out.finished:
                 num_prompt_tokens += len(out.prompt_token_ids)
+                num_cached_tokens += out.num_cached_tokens
     except RequestError as e:
         err = from_request_error(e)
         yield sse(error_body(err.message, err.status, err.param, err.code))
         yield DONE
         return
     if include_usage:
-        yield sse(_chunk(job, [], include_usage, Usage.of(num_prompt_tokens, num_output_tokens)))
+        yield sse(_chunk(job, [], include_usage, Usage.of(num_prompt_tokens, num_output_tokens, num_cached_tokens)))
     yield DONE
 
 

@@ -1,0 +1,212 @@
+"""Replicas behind the server (kvserve/server/replicas/): engines on Ray Serve, routed by prefix,
+round-robin or power of two choices; and `usage.prompt_tokens_details.cached_tokens`.
+
+The oracles: a single in-process engine's greedy outputs (every policy must give the same
+text), the engines' own counters of prompt tokens computed, the block arithmetic of a prefix
+hit. One Ray cluster with two replicas of a tiny random Llama serves the whole module.
+"""
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import httpx
+import pytest
+
+from kvserve import EngineConfig
+from kvserve.engine.llm_engine import LLMEngine
+from tests.server_harness import live_server
+from tests.tiny_models import make_model
+
+BS = 16
+PAGE_BYTES = 3 * 2 * 2 * 16 * 4 * BS  # the tiny Llama: layers x (K, V) x kv heads x head_dim x fp32 x tokens
+
+
+def _gib(blocks: int) -> float:
+    return blocks * PAGE_BYTES / 2**30
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny_replicas")
+    make_model("llama", folder)
+    return folder
+
+
+def _config(folder, blocks: int) -> EngineConfig:
+    return EngineConfig(model=str(folder), kv_cache_gib=_gib(blocks), num_threads=1, max_num_seqs=16)
+
+
+def _complete(http: httpx.Client, prompt, max_tokens: int = 4, **extra) -> dict:
+    resp = http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
+                                              "temperature": 0, **extra})
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def _events(resp: httpx.Response) -> list:
+    return [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+# ------------------------------------------------------------------ cached_tokens, one engine
+def test_cached_tokens_one_engine(tiny_folder):
+    """The second request with the same prompt is served from the cache except its last
+    partial block (and the last token, which needs its logits): the usage says how much, and it
+    is what the engine's own prefix-hit counter grew by."""
+    engine = LLMEngine(_config(tiny_folder, 64))
+    prompt = list(range(3, 3 + 53))  # 3 full blocks + 5
+    with live_server(engine, "tiny") as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
+        first = _complete(http, prompt)
+        assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        hits = engine.stats()["prefix_cache_hits"]
+        second = _complete(http, prompt)
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * BS
+        assert engine.stats()["prefix_cache_hits"] - hits == 3 * BS
+        with http.stream("POST", "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 3,
+                                                           "stream": True,
+                                                           "stream_options": {"include_usage": True}}) as resp:
+            usage = _events(resp)[-1]["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 3 * BS
+        messages = [{"role": "user", "content": "The quick brown fox jumps over the lazy dog. " * 4}]
+        chat = [http.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 2})
+                .json()["usage"] for _ in range(2)]
+        assert chat[0]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert chat[1]["prompt_tokens_details"]["cached_tokens"] == (chat[1]["prompt_tokens"] - 1) // BS * BS > 0
+
+
+# ------------------------------------------------------------------ two replicas on Ray Serve
+ray = pytest.importorskip("ray")  # the `ray` extra is part of the dev install: a skip here is a setup fault
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_folder):
+    from kvserve.server.replicas.pool import ReplicaOptions, start_replicas
+
+    # Each pool holds 2 of the 4 prefixes below (6 blocks each) and the tail of a running request.
+    rs = start_replicas(_config(tiny_folder, 14), ReplicaOptions(2, "prefix", num_cpus=2), None)
+    try:
+        with live_server(rs, "tiny") as srv:
+            yield srv
+    finally:
+        rs.close()
+
+
+def _use_policy(srv, policy: str, **router_args) -> None:
+    from kvserve.server.replicas.router import Router, RouterConfig
+
+    rs = srv.state.engine
+    cfg = RouterConfig(policy=policy, block_size=BS, **router_args)
+    rs.router = Router(2, cfg, capacities=[r.info.num_blocks for r in rs.replicas])
+
+
+def _workload(seed: int, num_prefixes: int = 4, prefix_len: int = 96, n: int = 32) -> list[list[int]]:
+    """Random order over prefixes (as round-robin would otherwise pin each prefix by luck)."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(3, 300) for _ in range(prefix_len)] for _ in range(num_prefixes)]
+    return [prefixes[rng.randrange(num_prefixes)] + [rng.randrange(3, 300) for _ in range(8)] for _ in range(n)]
+
+
+def _computed(srv) -> int:
+    """Prompt tokens the replicas ran through the model, from their own counters."""
+    rs = srv.state.engine
+    return sum(r.handle.stats.remote().result()["prompt_tokens_computed"] for r in rs.replicas)
+
+
+def _run(srv, policy: str, prompts: list[list[int]]) -> tuple[list[str], int, float]:
+    _use_policy(srv, policy)
+    before = _computed(srv)
+    texts, cached, total = [], 0, 0
+    with httpx.Client(base_url=srv.url, timeout=60) as http:
+        for p in prompts:
+            r = _complete(http, p, max_tokens=4)
+            texts.append(r["choices"][0]["text"])
+            cached += r["usage"]["prompt_tokens_details"]["cached_tokens"]
+            total += r["usage"]["prompt_tokens"]
+    return texts, _computed(srv) - before, cached / total
+
+
+def test_prefix_routing_computes_half_of_round_robin(replicas, tiny_folder):
+    """Same workload shape, fresh prefixes per policy: prefix routing computes <= 0.5x the prompt
+    tokens round-robin computes, with a hit rate >= 0.7; greedy text is the same under every
+    policy and the same as one engine's."""
+    results = {p: _run(replicas, p, _workload(seed=i)) for i, p in enumerate(["round_robin", "pow2", "prefix"])}
+    rr, prefix = results["round_robin"], results["prefix"]
+    assert prefix[1] <= 0.5 * rr[1], {p: r[1:] for p, r in results.items()}
+    assert prefix[2] >= 0.7, prefix[2]
+    # The oracle for the text: one engine in this process, per workload.
+    engine = LLMEngine(_config(tiny_folder, 64))
+    from kvserve.sampling_params import SamplingParams
+
+    for i, policy in enumerate(["round_robin", "pow2", "prefix"]):
+        prompts = _workload(seed=i)
+        for k, p in enumerate(prompts):
+            engine.add_request(p, SamplingParams(max_tokens=4, temperature=0), f"{policy}-{k}")
+        done = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].text
+        assert results[policy][0] == [done[f"{policy}-{k}"] for k in range(len(prompts))], policy
+
+
+def test_same_outputs_under_every_policy_with_a_concurrent_burst(replicas):
+    """All at once (16 requests, 4 prefixes): each replica gets >= 25% of them, and the greedy
+    text is the same under every policy."""
+    import asyncio
+
+    prompts = _workload(seed=10, n=16)
+
+    async def burst() -> list[str]:
+        async with httpx.AsyncClient(base_url=replicas.url, timeout=60) as http:
+            rs = await asyncio.gather(*(http.post("/v1/completions", json={
+                "model": "tiny", "prompt": p, "max_tokens": 4, "temperature": 0}) for p in prompts))
+        assert all(r.status_code == 200 for r in rs), [r.text for r in rs if r.status_code != 200]
+        return [r.json()["choices"][0]["text"] for r in rs]
+
+    texts = {}
+    for policy in ["prefix", "round_robin", "pow2"]:
+        _use_policy(replicas, policy)
+        texts[policy] = asyncio.run(burst())
+        routed = replicas.state.engine.router.num_routed
+        assert min(routed) >= 0.25 * len(prompts), (policy, routed)
+    assert texts["prefix"] == texts["round_robin"] == texts["pow2"]
+
+
+def test_stats_show_each_replica(replicas):
+    with httpx.Client(base_url=replicas.url, timeout=60) as http:
+        _complete(http, [5, 6, 7])
+        time.sleep(1.0)  # a stats poll
+        stats = http.get("/stats").json()
+        assert http.get("/health").status_code == 200
+    assert stats["num_replicas"] == 2 and stats["num_replicas_alive"] == 2
+    assert len(stats["replicas"]) == 2 and stats["kv_blocks_total"] == sum(
+        r.info.num_blocks for r in replicas.state.engine.replicas)
+
+
+def test_a_dead_replica_fails_its_requests_cleanly_and_new_ones_go_elsewhere(replicas):
+    """Kill the replica running a stream: the stream ends with a 503 error event (no hang), new
+    requests are served by the other replica, and Serve brings the dead one back."""
+    _use_policy(replicas, "round_robin")  # the first request goes to replica 0
+    rs = replicas.state.engine
+    victim = ray.get_actor(rs.replicas[0].info.actor_name, namespace="serve")
+    body = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 150, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=replicas.url, timeout=60) as http:
+        t0 = time.monotonic()
+        with http.stream("POST", "/v1/completions", json=body) as resp:
+            lines = resp.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))  # running on replica 0
+            ray.kill(victim)
+            events = [json.loads(line[6:]) for line in lines if line.startswith("data: ") and line != "data: [DONE]"]
+        assert time.monotonic() - t0 < 30
+        errors = [e["error"] for e in events if "error" in e]
+        assert errors, events[-1:]
+        assert errors[0]["type"] == "server_error" and "replica 0 failed" in errors[0]["message"], errors
+        assert rs.router.alive == [False, True]
+        for _ in range(3):  # new requests go to the live replica
+            assert _complete(http, [9, 10, 11])["choices"][0]["text"] is not None
+        assert http.get("/health").status_code == 200
+        deadline = time.monotonic() + 60
+        while not all(rs.router.alive) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert rs.router.alive == [True, True], "Serve did not bring the replica back"
