@@ -306,6 +306,14 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--dataset", choices=["random", "wikitext2"], default="random")
     sv.add_argument("--dataset-path", default=None, help="wikitext2 text file (default: $KVSERVE_DATA/wikitext2/wiki.test.raw)")
     sv.add_argument("--input-len", type=positive_int, default=256, help="prompt length in words")
+    sv.add_argument("--workload", choices=["dataset", "shared-prefix"], default="dataset",
+                    help="dataset: --dataset prompts; shared-prefix: --num-prefixes system prompts of --prefix-len "
+                         "words, each request one of them plus a unique --suffix-len suffix")
+    sv.add_argument("--num-prefixes", type=positive_int, default=8, help="shared-prefix: K system prompts")
+    sv.add_argument("--prefix-len", type=positive_int, default=512, help="shared-prefix: words per system prompt")
+    sv.add_argument("--suffix-len", type=positive_int, default=32, help="shared-prefix: new words per turn")
+    sv.add_argument("--turns", type=positive_int, default=1,
+                    help="shared-prefix: turns per conversation (turn t repeats the earlier turns)")
     sv.add_argument("--output-len", type=positive_int, default=64, help="max_tokens per request (ignore_eos)")
     sv.add_argument("--seed", type=int, default=0)
     sv.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
