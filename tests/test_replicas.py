@@ -97,7 +97,7 @@ def _use_policy(srv, policy: str, **router_args) -> None:
 
     rs = srv.state.engine
     cfg = RouterConfig(policy=policy, block_size=BS, **router_args)
-    rs.router = Router(2, cfg, capacities=[r.info.num_blocks for r in rs.replicas])
+    rs.router = Router(2, cfg, capacities=[r.info.num_cache_blocks for r in rs.replicas])
 
 
 def _workload(seed: int, num_prefixes: int = 4, prefix_len: int = 96, n: int = 32) -> list[list[int]]:
@@ -182,6 +182,30 @@ def test_stats_show_each_replica(replicas):
     assert stats["num_replicas"] == 2 and stats["num_replicas_alive"] == 2
     assert len(stats["replicas"]) == 2 and stats["kv_blocks_total"] == sum(
         r.info.num_blocks for r in replicas.state.engine.replicas)
+
+
+def test_a_drain_aborts_requests_on_their_replicas(replicas):
+    """abort_all (what SIGTERM's drain calls after its grace period) ends a running stream with
+    finish_reason "abort" from the replica, and frees the request there."""
+    rs = replicas.state.engine
+    body = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 150, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=replicas.url, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json=body) as resp:
+            lines = resp.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            replicas.run_coroutine(_abort_all(rs)).result(10)
+            events = [json.loads(line[6:]) for line in lines if line.startswith("data: ") and line != "data: [DONE]"]
+    assert events[-1]["choices"][0]["finish_reason"] == "abort", events[-1]
+    assert sum(len(e["choices"][0]["text"]) > 0 for e in events) < 150
+    deadline = time.monotonic() + 10
+    while rs.num_unfinished and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert rs.num_unfinished == 0 and sum(rs.router.load) == 0
+    assert all(r.handle.stats.remote().result()["num_unfinished"] == 0 for r in rs.replicas)
+
+
+async def _abort_all(rs) -> None:
+    rs.abort_all()
 
 
 def test_a_dead_replica_fails_its_requests_cleanly_and_new_ones_go_elsewhere(replicas):

@@ -41,7 +41,8 @@ class ReplicaInfo:
     max_model_len: int
     vocab_size: int
     block_size: int
-    num_blocks: int
+    num_blocks: int  # pages of the KV pool
+    num_cache_blocks: int  # logical blocks it holds: one page per KV layer group each
     incarnation: str  # new after every (re)start: the router forgets what the old one held
     pid: int
     actor_name: str | None
@@ -58,11 +59,17 @@ class EngineReplica:
     def describe(self) -> ReplicaInfo:
         core = self.engine.engine
         return ReplicaInfo(core.tokenizer, core.model_config, core.max_model_len, core.model_config.vocab_size,
-                           core.config.block_size, core.num_blocks, self.incarnation, os.getpid(), _actor_name())
+                           core.config.block_size, core.num_blocks,
+                           core.num_blocks // max(1, core.block_manager.num_groups), self.incarnation,
+                           os.getpid(), _actor_name())
 
     def stats(self) -> dict:
         return {**self.engine.stats(), "incarnation": self.incarnation, "healthy": self.engine.healthy,
                 "num_unfinished": self.engine.num_unfinished}
+
+    def abort(self, request_id: str) -> None:
+        """A server-side abort (a drain): the request's stream ends with finish_reason "abort"."""
+        self.engine.abort(request_id)
 
     def check_health(self) -> None:
         """Serve's health check: a dead engine thread or an unhealthy engine gets the replica restarted."""

@@ -160,7 +160,7 @@ class ReplicaSet:
         self._started = False
         self.num_replica_failures = 0
         for r in replicas:
-            router.set_capacity(r.index, r.info.num_blocks)
+            router.set_capacity(r.index, r.info.num_cache_blocks)
 
     # ---------------------------------------------------------------- lifecycle (the app's lifespan)
     def start(self) -> None:
@@ -172,6 +172,11 @@ class ReplicaSet:
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         self.abort_all()
+        deadline = time.monotonic() + timeout
+        while self._streams and time.monotonic() < deadline:  # their final outputs on the way
+            await asyncio.sleep(0.05)
+        for stream in list(self._streams.values()):
+            stream.close()
         self._started = False
         if self._poller is not None:
             self._poller.cancel()
@@ -223,8 +228,10 @@ class ReplicaSet:
         return stream
 
     def abort_all(self) -> None:
+        """Abort every request on its replica; each stream ends with its final "abort" output
+        (as AsyncLLMEngine.abort_all does), sent by the replica."""
         for stream in list(self._streams.values()):
-            stream.close()
+            self.replicas[stream.replica].handle.abort.remote(stream.request_id)
 
     # ---------------------------------------------------------------- callbacks from the streams
     def ended(self, stream: RoutedStream) -> None:
