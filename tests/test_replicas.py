@@ -8,8 +8,14 @@ hit. One Ray cluster with two replicas of a tiny random Llama serves the whole m
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
+import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -75,8 +81,68 @@ def test_cached_tokens_one_engine(tiny_folder):
         assert chat[1]["prompt_tokens_details"]["cached_tokens"] == (chat[1]["prompt_tokens"] - 1) // BS * BS > 0
 
 
+def test_replica_flags_are_checked_before_anything_loads(capsys):
+    from kvserve.cli import main
+
+    assert main(["serve", "--ray-address", "ray://x:1"]) == 2
+    assert "--ray-address needs --data-parallel-size > 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--data-parallel-size", "2", "--router", "random"])
+    assert "--router" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------ two replicas on Ray Serve
 ray = pytest.importorskip("ray")  # the `ray` extra is part of the dev install: a skip here is a setup fault
+# Ray kills workers when the whole machine is short of memory; on a shared test machine that is
+# other processes' doing, not a failure of these tests (the replicas here take ~0.5 GB each).
+os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
+psutil = pytest.importorskip("psutil")  # comes with Ray
+
+
+def test_cli_serves_with_replicas_and_leaves_no_process_after_sigterm(tiny_folder):
+    """`kvserve serve --data-parallel-size 2` as a process: both replicas answer (round-robin),
+    SIGTERM exits 0, and every process Ray started for it is gone."""
+    port = socket_port()
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", str(tiny_folder), "--port", str(port),
+                             "--data-parallel-size", "2", "--router", "round_robin", "--threads", "1",
+                             "--served-model-name", "tiny",
+                             "--kv-cache-gib", str(_gib(14)), "--log-level", "warning"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not become healthy"
+            time.sleep(0.3)
+        with httpx.Client(base_url=url, timeout=60) as http:
+            texts = {_complete(http, [5, 6, 7, 8], max_tokens=6)["choices"][0]["text"] for _ in range(2)}
+            assert len(texts) == 1  # the same greedy text from both replicas
+            time.sleep(1.0)  # a stats poll
+            assert [r["routed"] for r in http.get("/stats").json()["replicas"]] == [1, 1]
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(children) >= 3  # Ray's own processes and the two replicas
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        _, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, [(p.pid, p.name()) for p in alive]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def socket_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

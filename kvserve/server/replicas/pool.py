@@ -363,7 +363,8 @@ def start_ray(opts: ReplicaOptions) -> RayRuntime:
             path = os.environ.get("PYTHONPATH", "")
             if root not in path.split(os.pathsep):
                 os.environ["PYTHONPATH"] = root + (os.pathsep + path if path else "")
-            ray.init(num_cpus=opts.num_cpus or os.cpu_count() or 1, include_dashboard=False,
+            # address="local": a Ray of its own, never one that `ray start` left running here.
+            ray.init(address="local", num_cpus=opts.num_cpus or os.cpu_count() or 1, include_dashboard=False,
                      _node_ip_address="127.0.0.1", configure_logging=False, log_to_driver=True)
         else:
             ray.init(address=opts.ray_address, configure_logging=False)
