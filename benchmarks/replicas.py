@@ -62,7 +62,12 @@ def use_policy(rs, policy: str) -> None:
 
 
 def computed(rs) -> int:
-    return sum(r.handle.stats.remote().result()["prompt_tokens_computed"] for r in rs.replicas)
+    return counter(rs, "prompt_tokens_computed")
+
+
+def counter(rs, key: str) -> int:
+    """A counter summed over the replicas, from the replicas themselves."""
+    return sum(r.handle.stats.remote().result()[key] for r in rs.replicas)
 
 
 def ray_memory(replica_pids: set[int]) -> dict:
@@ -100,11 +105,14 @@ def main() -> None:
     ap.add_argument("--max-concurrency", type=int, default=16, help="requests in flight (0: all at once)")
     ap.add_argument("--pack-weights", action="store_true",
                     help="packed fp32 panels (faster decode, about twice the weights' memory per replica)")
+    ap.add_argument("--no-sliding-window-release", dest="sliding_window_release", action="store_false",
+                    help="sliding-window layers keep their blocks (a diagnostic: their released pages are "
+                         "evicted first, and a prefix hit needs them)")
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args()
     config = EngineConfig(model=args.model, kv_cache_gib=args.kv_cache_gib, max_num_seqs=64,
-                          pack_weights=args.pack_weights)
+                          pack_weights=args.pack_weights, sliding_window_release=args.sliding_window_release)
     t0 = time.perf_counter()
     rs = start_replicas(config, ReplicaOptions(2, "prefix"), None)
     ready_s = time.perf_counter() - t0
@@ -118,7 +126,7 @@ def main() -> None:
             for k, policy in enumerate(POLICIES):
                 use_policy(rs, policy)
                 reqs = shared_prefix_requests(args.num_prompts, spec, args.output_len, seed=100 + k)
-                before = computed(rs)
+                before, preempted = computed(rs), counter(rs, "num_preemptions")
                 res, dur = asyncio.run(run_requests(target, reqs, float("inf"), args.max_concurrency or None,
                                                     progress=False))
                 s = summarize_run(res, dur, float("inf"), args.max_concurrency or None)
@@ -128,6 +136,7 @@ def main() -> None:
                     "request_throughput": s.request_throughput, "output_tok_s": s.output_throughput,
                     "total_tok_s": s.total_token_throughput, "prefix_hit_rate": s.prefix_hit_rate,
                     "prompt_tokens": s.input_tokens, "prompt_tokens_computed": computed(rs) - before,
+                    "preemptions": counter(rs, "num_preemptions") - preempted,
                     "share_per_replica": [n / max(1, sum(rs.router.num_routed)) for n in rs.router.num_routed],
                 }
                 print(policy, json.dumps(results[policy]), flush=True)
@@ -157,7 +166,7 @@ def main() -> None:
                      args.prefix_len, "suffix_len_words": args.suffix_len, "output_len": args.output_len,
                      "max_concurrency": args.max_concurrency or "unbounded",
                      "kv_cache_gib_per_replica": args.kv_cache_gib,
-                     "pack_weights": args.pack_weights, "kv_blocks_per_replica":
+                     "pack_weights": args.pack_weights, "sliding_window_release": args.sliding_window_release, "kv_blocks_per_replica":
                      [r.info.num_blocks for r in rs.replicas]},
         "ray": {"start_s": round(rs.runtime.start_s, 2), "replicas_loaded_s": round(rs.runtime.deploy_s, 2),
                 "ready_s": round(ready_s, 2), "memory_at_start": memory, "memory_after": memory_after},

@@ -184,7 +184,8 @@ def _add_serve_parser(sub) -> None:
                     help="how a request picks its replica: the one holding its longest prefix (load-guarded), "
                          "in turn, or the less loaded of two at random (%(default)s)")
     dp.add_argument("--ray-address", default=None,
-                    help="an existing Ray cluster (default: a local Ray on 127.0.0.1, no dashboard, no usage stats)")
+                    help="an existing Ray cluster (default: a Ray of this server's own: no dashboard, no usage stats, "
+                         "Ray's token authentication)")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 

@@ -6,8 +6,10 @@ has a handle of its own) and returns a `ReplicaSet`. A `ReplicaSet` offers what 
 an `AsyncLLMEngine` (generate, tokenize, stats, health, abort_all), so every route works unchanged:
 `generate` asks the router for a replica and streams that replica's outputs back.
 
-Local Ray is private to the server: loopback only, no dashboard, no usage stats, as many CPUs
-as this machine has, each replica `cores / N` of them (and as many torch threads). Ray's health
+Local Ray is the server's own: no dashboard, no usage stats, as many CPUs as this machine has,
+each replica `cores / N` of them (and as many torch threads). Asked for 127.0.0.1, Ray 2.60 still
+advertises the node's address and some of its gRPC servers listen on every interface; its token
+authentication (on by default) is what guards them. The HTTP front listens on --host only. Ray's health
 checks restart a replica that died or whose engine is unhealthy; the router stops sending to a
 replica as soon as a request or a stats poll fails on it, fails that replica's in-flight requests
 with 503, and forgets what the replica held (a restarted replica starts empty).
@@ -351,7 +353,7 @@ class RayRuntime:
 
 
 def start_ray(opts: ReplicaOptions) -> RayRuntime:
-    """ray.init + serve.start, local (loopback, no dashboard, no usage stats) or on a cluster."""
+    """ray.init + serve.start, local (no dashboard, no usage stats) or on a cluster."""
     t0 = time.perf_counter()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # read by ray.init; workers inherit it
     started = False
