@@ -275,26 +275,40 @@ async def _abort_all(rs) -> None:
 
 
 def test_a_dead_replica_fails_its_requests_cleanly_and_new_ones_go_elsewhere(replicas):
-    """Kill the replica running a stream: the stream ends with a 503 error event (no hang), new
-    requests are served by the other replica, and Serve brings the dead one back."""
-    _use_policy(replicas, "round_robin")  # the first request goes to replica 0
+    """Kill the replica running a stream and a plain request: the stream ends with a server_error
+    event and the plain request with a 503, both naming the replica (no hang); new requests are
+    served by the other replica, and Serve brings the dead one back."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    _use_policy(replicas, "prefix")  # the same prompt twice: both on replica 0 (least loaded, then its prefix)
     rs = replicas.state.engine
     victim = ray.get_actor(rs.replicas[0].info.actor_name, namespace="serve")
-    body = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 150, "ignore_eos": True, "stream": True}
-    with httpx.Client(base_url=replicas.url, timeout=60) as http:
+    prompt = list(range(5, 45))
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 150, "ignore_eos": True}
+    with httpx.Client(base_url=replicas.url, timeout=60) as http, ThreadPoolExecutor(1) as pool:
         t0 = time.monotonic()
-        with http.stream("POST", "/v1/completions", json=body) as resp:
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
             lines = resp.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))  # running on replica 0
+            plain = pool.submit(lambda: httpx.post(replicas.url + "/v1/completions", json=body, timeout=60))
+            # Both running in the replica's engine: a request Serve had not yet handed to the replica
+            # would instead wait for the restarted one.
+            while rs.replicas[0].handle.stats.remote().result()["num_unfinished"] < 2 and time.monotonic() - t0 < 10:
+                time.sleep(0.01)
+            assert rs.router.load == [2, 0]
             ray.kill(victim)
             events = [json.loads(line[6:]) for line in lines if line.startswith("data: ") and line != "data: [DONE]"]
+        failed = plain.result(30)
         assert time.monotonic() - t0 < 30
         errors = [e["error"] for e in events if "error" in e]
         assert errors, events[-1:]
         assert errors[0]["type"] == "server_error" and "replica 0 failed" in errors[0]["message"], errors
-        assert rs.router.alive == [False, True]
+        assert failed.status_code == 503 and "replica 0 failed" in failed.json()["error"]["message"], failed.text
+        assert rs.router.alive == [False, True] and rs.router.load == [0, 0]
+        routed = list(rs.router.num_routed)
         for _ in range(3):  # new requests go to the live replica
-            assert _complete(http, [9, 10, 11])["choices"][0]["text"] is not None
+            assert _complete(http, prompt)["choices"][0]["text"] is not None
+        assert rs.router.num_routed == [routed[0], routed[1] + 3]
         assert http.get("/health").status_code == 200
         deadline = time.monotonic() + 60
         while not all(rs.router.alive) and time.monotonic() < deadline:
