@@ -239,8 +239,14 @@ def test_same_outputs_under_every_policy_with_a_concurrent_burst(replicas):
     assert texts["prefix"] == texts["round_robin"] == texts["pow2"]
 
 
-def test_stats_show_each_replica(replicas):
+def test_chat_and_stats_through_replicas(replicas, tiny_folder):
+    """A chat renders with the model's template in the front and runs on a replica: the same text
+    as one engine gives for the same prompt ids; /stats lists each replica."""
+    messages = [{"role": "user", "content": "The quick brown fox"}]
     with httpx.Client(base_url=replicas.url, timeout=60) as http:
+        chat = http.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 5,
+                                                        "temperature": 0})
+        assert chat.status_code == 200, chat.text
         _complete(http, [5, 6, 7])
         time.sleep(1.0)  # a stats poll
         stats = http.get("/stats").json()
@@ -248,6 +254,12 @@ def test_stats_show_each_replica(replicas):
     assert stats["num_replicas"] == 2 and stats["num_replicas_alive"] == 2
     assert len(stats["replicas"]) == 2 and stats["kv_blocks_total"] == sum(
         r.info.num_blocks for r in replicas.state.engine.replicas)
+    with live_server(LLMEngine(_config(tiny_folder, 64)), "tiny") as one, \
+            httpx.Client(base_url=one.url, timeout=60) as http:
+        ref = http.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 5,
+                                                       "temperature": 0})
+    assert chat.json()["choices"][0]["message"] == ref.json()["choices"][0]["message"]
+    assert chat.json()["usage"]["prompt_tokens"] == ref.json()["usage"]["prompt_tokens"]
 
 
 def test_a_drain_aborts_requests_on_their_replicas(replicas):

@@ -67,6 +67,10 @@ class _Replica:
     info: ReplicaInfo
     stats: dict = field(default_factory=dict)
     alive: bool = True
+    streaming: object = None  # the handle with stream=True, made once
+
+    def __post_init__(self) -> None:
+        self.streaming = self.handle.options(stream=True)
 
 
 class FrontEngine:
@@ -223,7 +227,7 @@ class ReplicaSet:
         waited = 0.0 if arrival_time is None else max(0.0, now - arrival_time)
         timeout = None if deadline is None else deadline - now
         replica = self.replicas[decision.replica]
-        response = replica.handle.options(stream=True).generate.remote(
+        response = replica.streaming.generate.remote(
             list(prompt), params, request_id, waited, cache_salt, timeout)
         stream = RoutedStream(self, decision.replica, request_id, response)
         self._streams[request_id] = stream
