@@ -99,6 +99,59 @@ os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
 psutil = pytest.importorskip("psutil")  # comes with Ray
 
 
+class _Owner:
+    """What a RoutedStream reports to: a stand-in for the ReplicaSet."""
+
+    def __init__(self):
+        self.ended_streams, self.failed = [], []
+
+    def ended(self, stream):
+        self.ended_streams.append(stream.request_id)
+
+    def observe(self, out, first):
+        pass
+
+    def replica_failed(self, index, exc):
+        from kvserve.engine.async_engine import RequestError
+
+        self.failed.append(index)
+        return RequestError(f"replica {index} failed", 503)
+
+
+class _Raising:
+    """A replica's response stream whose next item raises."""
+
+    def __init__(self, exc):
+        self.exc = exc
+
+    async def __anext__(self):
+        raise self.exc
+
+    def cancel(self):
+        pass
+
+
+@pytest.mark.parametrize("exc,status,dead", [
+    (ray.exceptions.RayTaskError("generate", "traceback", ValueError("bug")), 500, False),
+    (ray.exceptions.ActorDiedError(), 503, True),
+])
+def test_an_error_in_the_replica_is_not_a_dead_replica(exc, status, dead):
+    """A request whose replica code raised fails with 500 and leaves the replica in the rotation;
+    a replica that died fails it with 503 and is taken out."""
+    import asyncio
+
+    from kvserve.engine.async_engine import RequestError
+    from kvserve.server.replicas.pool import RoutedStream
+
+    owner = _Owner()
+    stream = RoutedStream(owner, 1, "r1", _Raising(exc))
+    with pytest.raises(RequestError) as err:
+        asyncio.run(stream.__anext__())
+    assert err.value.status == status and (owner.failed == [1]) == dead
+    stream.close()
+    assert owner.ended_streams == ["r1"]  # the router's count is released once
+
+
 def test_cli_serves_with_replicas_and_leaves_no_process_after_sigterm(tiny_folder):
     """`kvserve serve --data-parallel-size 2` as a process: both replicas answer (round-robin),
     SIGTERM exits 0, and every process Ray started for it is gone."""

@@ -114,7 +114,12 @@ class RoutedStream:
         except asyncio.CancelledError:
             self.close()
             raise
-        except Exception as e:
+        except ray.exceptions.RayTaskError as e:  # raised by the replica's code: the replica itself is fine
+            self._end()
+            log.error("replica %d raised on request %s: %s", self.replica, self.request_id, e)
+            cause = type(getattr(e, "cause", e)).__name__
+            raise RequestError(f"replica {self.replica} failed on the request ({cause})", 500) from None
+        except Exception as e:  # the replica died or cannot be reached
             self._end()
             raise self._owner.replica_failed(self.replica, e) from None
         if isinstance(item, ReplicaFailure):
