@@ -7,6 +7,7 @@ hit. One Ray cluster with two replicas of a tiny random Llama serves the whole m
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -118,17 +119,35 @@ class _Owner:
         return RequestError(f"replica {index} failed", 503)
 
 
-class _Raising:
-    """A replica's response stream whose next item raises."""
+class _Response:
+    """A replica's response stream: `items` (an exception is raised when reached), then the end."""
 
-    def __init__(self, exc):
-        self.exc = exc
+    def __init__(self, items):
+        self.items = list(items)
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self
 
     async def __anext__(self):
-        raise self.exc
+        await asyncio.sleep(0)
+        if self.cancelled or not self.items:
+            raise StopAsyncIteration
+        item = self.items.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return item
 
     def cancel(self):
-        pass
+        self.cancelled = True
+
+
+def _output(k: int, finished: bool = False):
+    from kvserve.engine.metrics import RequestMetrics
+    from kvserve.engine.outputs import CompletionOutput, RequestOutput
+
+    c = CompletionOutput(0, "x", [k], "length" if finished else None, delta_text="x", delta_token_ids=[k])
+    return RequestOutput("r1", None, [1, 2], [c], finished, RequestMetrics(0.0))
 
 
 @pytest.mark.parametrize("exc,status,dead", [
@@ -138,18 +157,48 @@ class _Raising:
 def test_an_error_in_the_replica_is_not_a_dead_replica(exc, status, dead):
     """A request whose replica code raised fails with 500 and leaves the replica in the rotation;
     a replica that died fails it with 503 and is taken out."""
-    import asyncio
-
     from kvserve.engine.async_engine import RequestError
     from kvserve.server.replicas.pool import RoutedStream
 
     owner = _Owner()
-    stream = RoutedStream(owner, 1, "r1", _Raising(exc))
+
+    async def first_item():
+        stream = RoutedStream(owner, 1, "r1", _Response([exc]))
+        try:
+            return await stream.__anext__()
+        finally:
+            stream.close()
+
     with pytest.raises(RequestError) as err:
-        asyncio.run(stream.__anext__())
+        asyncio.run(first_item())
     assert err.value.status == status and (owner.failed == [1]) == dead
-    stream.close()
     assert owner.ended_streams == ["r1"]  # the router's count is released once
+
+
+def test_a_reader_too_far_behind_is_cut_off_and_the_request_cancelled():
+    """--max-stream-backlog with replicas: outputs wait merged in the front; past the limit the
+    replica's request is cancelled and the reader gets a 408. A reader that keeps up gets all."""
+    from kvserve.engine.async_engine import RequestError
+    from kvserve.server.replicas.pool import RoutedStream
+
+    async def run(read_every_step: bool):
+        response = _Response([_output(k) for k in range(19)] + [_output(19, finished=True)])
+        stream = RoutedStream(_Owner(), 0, "r1", response, max_unread_tokens=5, delta=True)
+        tokens = []
+        if not read_every_step:
+            for _ in range(30):  # the replica streams on; nobody reads
+                await asyncio.sleep(0)
+        try:
+            async for out in stream:
+                tokens += out.outputs[0].delta_token_ids
+        except RequestError as e:
+            return e, response.cancelled
+        return tokens, response.cancelled
+
+    err, cancelled = asyncio.run(run(read_every_step=False))
+    assert isinstance(err, RequestError) and err.status == 408 and cancelled
+    tokens, cancelled = asyncio.run(run(read_every_step=True))
+    assert tokens == list(range(20)) and not cancelled
 
 
 def test_cli_serves_with_replicas_and_leaves_no_process_after_sigterm(tiny_folder):
@@ -272,8 +321,6 @@ def test_prefix_routing_computes_half_of_round_robin(replicas, tiny_folder):
 def test_same_outputs_under_every_policy_with_a_concurrent_burst(replicas):
     """All at once (16 requests, 4 prefixes): each replica gets >= 25% of them, and the greedy
     text is the same under every policy."""
-    import asyncio
-
     prompts = _workload(seed=10, n=16)
 
     async def burst() -> list[str]:

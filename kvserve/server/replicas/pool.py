@@ -31,8 +31,9 @@ from ray import serve
 from kvserve.config import EngineConfig
 from kvserve.engine import input_processor
 from kvserve.engine.async_engine import OutputObserver, RequestError
+from kvserve.engine.async_engine import _Mailbox  # the same merge-and-backlog rule as one engine
 from kvserve.engine.outputs import RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import RequestOutputKind, SamplingParams
 from kvserve.server.replicas.deployment import EngineReplica, ReplicaFailure, ReplicaInfo
 from kvserve.server.replicas.router import NoReplicaError, Router, RouterConfig, salt_keys
 
@@ -90,15 +91,51 @@ class FrontEngine:
 
 class RoutedStream:
     """A request running on one replica: an async iterator over its outputs, as
-    AsyncLLMEngine's RequestStream (closing it aborts the request on the replica)."""
+    AsyncLLMEngine's RequestStream (closing it aborts the request on the replica).
 
-    def __init__(self, owner: "ReplicaSet", replica: int, request_id: str, response):
+    A task pumps the replica's outputs into a mailbox of the engine's kind as they arrive: outputs
+    the reader has not taken yet merge into one, and a reader that leaves more than
+    `max_unread_tokens` tokens of a sample unread has its request cancelled on the replica and
+    gets a 408, as with one engine (Serve would otherwise buffer every output here)."""
+
+    def __init__(self, owner: "ReplicaSet", replica: int, request_id: str, response,
+                 max_unread_tokens: int | None = None, delta: bool = False):
         self._owner = owner
         self.replica = replica
         self.request_id = request_id
         self._response = response  # DeploymentResponseGenerator
         self._done = False
-        self._first = True
+        self._max_unread_tokens = max_unread_tokens
+        self._mailbox = _Mailbox(delta, max_unread_tokens, self._overflowed)
+        self._pump = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        first = True
+        try:
+            async for item in self._response:
+                if isinstance(item, ReplicaFailure):
+                    self._mailbox.put(RequestError(item.message, item.status))
+                    return
+                self._owner.observe(item, first)
+                first = False
+                self._mailbox.put(item)
+                if item.finished:
+                    return
+            self._mailbox.put(RequestError(f"replica {self.replica} ended the request without a final output", 500))
+        except asyncio.CancelledError:
+            raise
+        except ray.exceptions.RayTaskError as e:  # raised by the replica's code: the replica itself is fine
+            log.error("replica %d raised on request %s: %s", self.replica, self.request_id, e)
+            cause = type(getattr(e, "cause", e)).__name__
+            self._mailbox.put(RequestError(f"replica {self.replica} failed on the request ({cause})", 500))
+        except Exception as e:  # the replica died or cannot be reached
+            self._mailbox.put(self._owner.replica_failed(self.replica, e))
+
+    def _overflowed(self) -> None:
+        log.warning("request %s: its reader fell more than %s tokens behind; aborted", self.request_id,
+                    self._max_unread_tokens)
+        self._pump.cancel()
+        self._response.cancel()
 
     def __aiter__(self) -> "RoutedStream":
         return self
@@ -107,26 +144,13 @@ class RoutedStream:
         if self._done:
             raise StopAsyncIteration
         try:
-            item = await self._response.__anext__()
-        except StopAsyncIteration:
-            self._end()
-            raise RequestError(f"replica {self.replica} ended the request without a final output", 500) from None
-        except asyncio.CancelledError:
+            item = await self._mailbox.get()
+        except BaseException:  # CancelledError: whoever waited on us is gone
             self.close()
             raise
-        except ray.exceptions.RayTaskError as e:  # raised by the replica's code: the replica itself is fine
+        if isinstance(item, BaseException):
             self._end()
-            log.error("replica %d raised on request %s: %s", self.replica, self.request_id, e)
-            cause = type(getattr(e, "cause", e)).__name__
-            raise RequestError(f"replica {self.replica} failed on the request ({cause})", 500) from None
-        except Exception as e:  # the replica died or cannot be reached
-            self._end()
-            raise self._owner.replica_failed(self.replica, e) from None
-        if isinstance(item, ReplicaFailure):
-            self._end()
-            raise RequestError(item.message, item.status)
-        self._owner.observe(item, self._first)
-        self._first = False
+            raise item
         if item.finished:
             self._end()
         return item
@@ -138,6 +162,7 @@ class RoutedStream:
 
     def close(self) -> None:
         if not self._done:
+            self._pump.cancel()
             self._response.cancel()  # the replica's generator closes its stream: an abort there
             self._end()
 
@@ -156,12 +181,14 @@ class ReplicaSet:
 
     observer: OutputObserver | None = None
 
-    def __init__(self, replicas: list[_Replica], router: Router, runtime: "RayRuntime | None" = None):
+    def __init__(self, replicas: list[_Replica], router: Router, runtime: "RayRuntime | None" = None,
+                 max_unread_tokens: int | None = None):
         if not replicas:
             raise ValueError("a replica set needs at least one replica")
         self.replicas = replicas
         self.router = router
         self.runtime = runtime
+        self.max_unread_tokens = max_unread_tokens  # --max-stream-backlog, enforced here (see RoutedStream)
         self.engine = FrontEngine(replicas[0].info)
         self.max_model_len = min(r.info.max_model_len for r in replicas)
         self.engine.max_model_len = self.max_model_len
@@ -234,7 +261,8 @@ class ReplicaSet:
         replica = self.replicas[decision.replica]
         response = replica.streaming.generate.remote(
             list(prompt), params, request_id, waited, cache_salt, timeout)
-        stream = RoutedStream(self, decision.replica, request_id, response)
+        stream = RoutedStream(self, decision.replica, request_id, response, self.max_unread_tokens,
+                              params.output_kind is RequestOutputKind.DELTA)
         self._streams[request_id] = stream
         return stream
 
@@ -414,7 +442,7 @@ def start_replicas(config: EngineConfig, opts: ReplicaOptions, max_unread_tokens
              runtime.deploy_s)
     replicas = [_Replica(i, h, info) for i, (h, info) in enumerate(zip(handles, infos))]
     router = Router(n, RouterConfig(policy=opts.router, block_size=infos[0].block_size))
-    return ReplicaSet(replicas, router, runtime)
+    return ReplicaSet(replicas, router, runtime, max_unread_tokens)
 
 
 def _absolute(model: str | None) -> str | None:
