@@ -79,7 +79,8 @@ class EngineReplica:
             raise RuntimeError("the engine's last steps failed")
 
     async def generate(self, token_ids: list[int], params: SamplingParams, request_id: str, waited_s: float,
-                       cache_salt: str | None, timeout_s: float | None) -> AsyncIterator[RequestOutput | ReplicaFailure]:
+                       cache_salt: str | None,
+                       timeout_s: float | None) -> AsyncIterator[RequestOutput | ReplicaFailure]:
         """Stream a request's outputs. `waited_s`: how long ago it arrived at the front, so that TTFT
         counts from the front's arrival on this replica's clock; `timeout_s`: time left of its deadline."""
         now = self.engine.clock()
