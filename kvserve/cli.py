@@ -183,6 +183,13 @@ def _add_serve_parser(sub) -> None:
     dp.add_argument("--router", choices=["prefix", "round_robin", "pow2"], default="prefix",
                     help="how a request picks its replica: the one holding its longest prefix (load-guarded), "
                          "in turn, or the less loaded of two at random (%(default)s)")
+    dp.add_argument("--router-cache-threshold", type=float, default=0.5,
+                    help="prefix: the least share of a prompt's blocks a replica must hold to get it (%(default)s)")
+    dp.add_argument("--router-balance-abs-threshold", type=int, default=8,
+                    help="prefix: loads are unbalanced (least loaded wins) past this max - min outstanding ... "
+                         "(%(default)s)")
+    dp.add_argument("--router-balance-rel-threshold", type=float, default=1.5,
+                    help="... and when max > this x min (%(default)s)")
     dp.add_argument("--ray-address", default=None,
                     help="an existing Ray cluster (default: a Ray of this server's own: no dashboard, no usage stats, "
                          "Ray's token authentication)")
@@ -465,6 +472,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
                         chat_template=args.chat_template, data_parallel_size=args.data_parallel_size,
                         router=args.router, ray_address=args.ray_address,
+                        router_cache_threshold=args.router_cache_threshold,
+                        router_balance_abs_threshold=args.router_balance_abs_threshold,
+                        router_balance_rel_threshold=args.router_balance_rel_threshold,
                         limits=RequestLimits(max_n=args.max_n, max_stop=args.max_stop, max_stop_chars=args.max_stop_chars,
                                              max_stop_token_ids=args.max_stop_token_ids,
                                              max_json_depth=args.max_json_depth,

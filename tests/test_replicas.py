@@ -26,6 +26,12 @@ from kvserve.engine.llm_engine import LLMEngine
 from tests.server_harness import live_server
 from tests.tiny_models import make_model
 
+ray = pytest.importorskip("ray", reason="pip install -e '.[dev]' (ray[serve], the `ray` extra)")
+psutil = pytest.importorskip("psutil", reason="comes with ray")
+# Ray kills workers when the whole machine is short of memory; on a shared test machine that is
+# other processes' doing, not a failure of these tests (the replicas here take ~0.5 GB each).
+os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
+
 BS = 16
 PAGE_BYTES = 3 * 2 * 2 * 16 * 4 * BS  # the tiny Llama: layers x (K, V) x kv heads x head_dim x fp32 x tokens
 
@@ -90,14 +96,13 @@ def test_replica_flags_are_checked_before_anything_loads(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--data-parallel-size", "2", "--router", "random"])
     assert "--router" in capsys.readouterr().err
+    for flag, value in [("--router-cache-threshold", "1.5"), ("--router-balance-abs-threshold", "-1"),
+                        ("--router-balance-rel-threshold", "0.5")]:
+        assert main(["serve", "--data-parallel-size", "2", flag, value]) == 2
+        assert flag in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ two replicas on Ray Serve
-ray = pytest.importorskip("ray")  # the `ray` extra is part of the dev install: a skip here is a setup fault
-# Ray kills workers when the whole machine is short of memory; on a shared test machine that is
-# other processes' doing, not a failure of these tests (the replicas here take ~0.5 GB each).
-os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
-psutil = pytest.importorskip("psutil")  # comes with Ray
 
 
 class _Owner:

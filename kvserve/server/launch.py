@@ -26,6 +26,7 @@ from kvserve.loading.chat_template import read_chat_template
 from kvserve.server.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, build_app
 from kvserve.server.connections import DEFAULT_HEADER_TIMEOUT_S, with_header_timeout
 from kvserve.server.limits import RequestLimits
+from kvserve.server.replicas.router import POLICIES, RouterConfig
 from kvserve.server.state import ServerState
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,9 @@ class ServeOptions:
     data_parallel_size: int = 1  # > 1: that many engine replicas on Ray Serve behind a router
     router: str = "prefix"  # with replicas: prefix, round_robin or pow2
     ray_address: str | None = None  # with replicas: an existing Ray cluster (None: a local one)
+    router_cache_threshold: float = RouterConfig.cache_threshold  # with replicas: see router.py
+    router_balance_abs_threshold: int = RouterConfig.balance_abs_threshold
+    router_balance_rel_threshold: float = RouterConfig.balance_rel_threshold
 
 
 class DrainingServer(uvicorn.Server):
@@ -115,8 +119,11 @@ def _serve_replicas(config: EngineConfig, opts: ServeOptions, template, name: st
     """The same server in front of N engine replicas on Ray Serve (kvserve/server/replicas/)."""
     from kvserve.server.replicas.pool import ReplicaOptions, start_replicas  # imports Ray: only when asked
 
-    replicas = start_replicas(config, ReplicaOptions(opts.data_parallel_size, opts.router, opts.ray_address),
-                              opts.max_stream_backlog)
+    replica_opts = ReplicaOptions(opts.data_parallel_size, opts.router, opts.ray_address,
+                                  cache_threshold=opts.router_cache_threshold,
+                                  balance_abs_threshold=opts.router_balance_abs_threshold,
+                                  balance_rel_threshold=opts.router_balance_rel_threshold)
+    replicas = start_replicas(config, replica_opts, opts.max_stream_backlog)
     try:
         app = build_app(replicas, name, api_key=opts.api_key, max_queue=opts.max_queue,
                         max_body_bytes=opts.max_body_bytes, limits=opts.limits, protect_metrics=opts.protect_metrics,
@@ -185,8 +192,10 @@ def _check_options(opts: ServeOptions) -> None:
         raise ValueError("--protect-metrics needs an API key (--api-key, --api-key-file or KVSERVE_API_KEY)")
     if opts.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {opts.data_parallel_size}")
-    if opts.router not in ("prefix", "round_robin", "pow2"):
-        raise ValueError(f"--router must be prefix, round_robin or pow2, got {opts.router!r}")
+    if opts.router not in POLICIES:
+        raise ValueError(f"--router must be one of {', '.join(POLICIES)}, got {opts.router!r}")
+    RouterConfig(cache_threshold=opts.router_cache_threshold, balance_abs_threshold=opts.router_balance_abs_threshold,
+                 balance_rel_threshold=opts.router_balance_rel_threshold)  # a bad setting names its flag
     if opts.ray_address is not None and opts.data_parallel_size == 1:
         raise ValueError("--ray-address needs --data-parallel-size > 1 (one engine runs in this process)")
     if opts.allowed_hosts is not None and not all(h.strip() for h in opts.allowed_hosts):

@@ -54,11 +54,19 @@ class ReplicaOptions:
     num_cpus: int | None = None  # local Ray's CPUs (None: this machine's)
     health_check_period_s: float = 2.0
     health_check_timeout_s: float = 30.0
+    cache_threshold: float = RouterConfig.cache_threshold
+    balance_abs_threshold: int = RouterConfig.balance_abs_threshold
+    balance_rel_threshold: float = RouterConfig.balance_rel_threshold
 
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:
             raise ValueError(f"--data-parallel-size must be >= 1, got {self.data_parallel_size}")
-        RouterConfig(policy=self.router)  # names the flag when the policy is unknown
+        self.router_config(16)  # names the flag of a bad router setting
+
+    def router_config(self, block_size: int) -> RouterConfig:
+        return RouterConfig(policy=self.router, block_size=block_size, cache_threshold=self.cache_threshold,
+                            balance_abs_threshold=self.balance_abs_threshold,
+                            balance_rel_threshold=self.balance_rel_threshold)
 
 
 @dataclass
@@ -441,7 +449,7 @@ def start_replicas(config: EngineConfig, opts: ReplicaOptions, max_unread_tokens
     log.info("Ray up in %.1f s; %d replicas (%d threads each) loaded in %.1f s", runtime.start_s, n, threads,
              runtime.deploy_s)
     replicas = [_Replica(i, h, info) for i, (h, info) in enumerate(zip(handles, infos))]
-    router = Router(n, RouterConfig(policy=opts.router, block_size=infos[0].block_size))
+    router = Router(n, opts.router_config(infos[0].block_size))
     return ReplicaSet(replicas, router, runtime, max_unread_tokens)
 
 

@@ -68,11 +68,14 @@ class RouterConfig:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if not 0.0 <= self.cache_threshold <= 1.0:
-            raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
+            raise ValueError(f"cache_threshold (--router-cache-threshold) must be in [0, 1], "
+                             f"got {self.cache_threshold}")
         if self.balance_abs_threshold < 0:
-            raise ValueError(f"balance_abs_threshold must be >= 0, got {self.balance_abs_threshold}")
+            raise ValueError("balance_abs_threshold (--router-balance-abs-threshold) must be >= 0, "
+                             f"got {self.balance_abs_threshold}")
         if self.balance_rel_threshold < 1.0:
-            raise ValueError(f"balance_rel_threshold must be >= 1, got {self.balance_rel_threshold}")
+            raise ValueError("balance_rel_threshold (--router-balance-rel-threshold) must be >= 1, "
+                             f"got {self.balance_rel_threshold}")
         if self.max_blocks_per_replica < 1:
             raise ValueError(f"max_blocks_per_replica must be >= 1, got {self.max_blocks_per_replica}")
 
