@@ -184,6 +184,22 @@ def _add_serve_parser(sub) -> None:
                           "is aborted and its KV blocks freed (%(default)s)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="on SIGTERM, seconds in-flight requests get to finish before they are aborted")
+    dp = srv.add_argument_group("replicas behind this server (Ray Serve; pip install 'kvserve[ray]')")
+    dp.add_argument("--data-parallel-size", type=positive_int, default=1,
+                    help="engine replicas, each with cores / N threads (%(default)s: one engine in this process)")
+    dp.add_argument("--router", choices=["prefix", "round_robin", "pow2"], default="prefix",
+                    help="how a request picks its replica: the one holding its longest prefix (load-guarded), "
+                         "in turn, or the less loaded of two at random (%(default)s)")
+    dp.add_argument("--router-cache-threshold", type=float, default=0.5,
+                    help="prefix: the least share of a prompt's blocks a replica must hold to get it (%(default)s)")
+    dp.add_argument("--router-balance-abs-threshold", type=int, default=8,
+                    help="prefix: loads are unbalanced (least loaded wins) past this max - min outstanding ... "
+                         "(%(default)s)")
+    dp.add_argument("--router-balance-rel-threshold", type=float, default=1.5,
+                    help="... and when max > this x min (%(default)s)")
+    dp.add_argument("--ray-address", default=None,
+                    help="an existing Ray cluster (default: a Ray of this server's own: no dashboard, no usage stats, "
+                         "Ray's token authentication)")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     tools = srv.add_argument_group("tool calling")
     tools.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "none"],
@@ -311,6 +327,14 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--dataset", choices=["random", "wikitext2"], default="random")
     sv.add_argument("--dataset-path", default=None, help="wikitext2 text file (default: $KVSERVE_DATA/wikitext2/wiki.test.raw)")
     sv.add_argument("--input-len", type=positive_int, default=256, help="prompt length in words")
+    sv.add_argument("--workload", choices=["dataset", "shared-prefix"], default="dataset",
+                    help="dataset: --dataset prompts; shared-prefix: --num-prefixes system prompts of --prefix-len "
+                         "words, each request one of them plus a unique --suffix-len suffix")
+    sv.add_argument("--num-prefixes", type=positive_int, default=8, help="shared-prefix: K system prompts")
+    sv.add_argument("--prefix-len", type=positive_int, default=512, help="shared-prefix: words per system prompt")
+    sv.add_argument("--suffix-len", type=positive_int, default=32, help="shared-prefix: new words per turn")
+    sv.add_argument("--turns", type=positive_int, default=1,
+                    help="shared-prefix: turns per conversation (turn t repeats the earlier turns)")
     sv.add_argument("--output-len", type=positive_int, default=64, help="max_tokens per request (ignore_eos)")
     sv.add_argument("--seed", type=int, default=0)
     sv.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
@@ -463,7 +487,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         allowed_hosts=None if args.allowed_hosts is None else args.allowed_hosts.split(","),
                         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
                         chat_template=args.chat_template,
-                        tool_call_parser=args.tool_call_parser,
+                        tool_call_parser=args.tool_call_parser, data_parallel_size=args.data_parallel_size,
+                        router=args.router, ray_address=args.ray_address,
+                        router_cache_threshold=args.router_cache_threshold,
+                        router_balance_abs_threshold=args.router_balance_abs_threshold,
+                        router_balance_rel_threshold=args.router_balance_rel_threshold,
                         limits=RequestLimits(max_n=args.max_n, max_stop=args.max_stop, max_stop_chars=args.max_stop_chars,
                                              max_stop_token_ids=args.max_stop_token_ids,
                                              max_json_depth=args.max_json_depth,
@@ -497,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # Packages of optional extras (pyproject.toml) -> the extra that brings them.
-_EXTRAS = {"httpx": "bench", "matplotlib": "bench", "transformers": "convert"}
+_EXTRAS = {"httpx": "bench", "matplotlib": "bench", "transformers": "convert", "ray": "ray"}
 
 
 if __name__ == "__main__":

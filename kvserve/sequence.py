@@ -51,6 +51,9 @@ class Sequence:
     # Tokens whose K/V are in the cache. Prefill chunks and decodes advance it; preemption
     # by recompute resets it to 0.
     num_computed_tokens: int = 0
+    # Prompt tokens the prefix cache supplied when the sequence was first admitted (None: not yet
+    # admitted); a recompute after preemption does not change it (vLLM's num_cached_tokens).
+    num_cached_tokens: int | None = None
     # Logical block i -> physical block (page) id, for KV layer group 0: the full-attention group
     # when the model has one. With several layer groups (sliding-window release), the tables of
     # groups 1.. sit in `group_block_tables`; a sliding group's entries for blocks that fell out

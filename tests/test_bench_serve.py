@@ -53,6 +53,7 @@ class FakeState:
     fail_every: int = 0  # every k-th arrival fails: HTTP 500 and 400 alternately
     midstream_error_every: int = 0  # every k-th arrival streams one chunk, then an error object
     send_usage: bool = True
+    cached_share: float | None = None  # report this share of the prompt's words as cached_tokens
     hold_until_active: int = 0  # >0: hold first chunks until this many streams are open (or all arrived)
     expected: int = 0  # requests the test sends; once all arrived, held streams are released
     count: int = 0
@@ -106,6 +107,8 @@ def make_app(state: FakeState) -> FastAPI:
                 prompt = body["messages"][0]["content"] if chat else body["prompt"]
                 usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": n,
                          "total_tokens": len(prompt.split()) + n}
+                if state.cached_share is not None:
+                    usage["prompt_tokens_details"] = {"cached_tokens": int(state.cached_share * len(prompt.split()))}
                 yield "data: " + json.dumps({"id": "x", "choices": [], "usage": usage}) + "\n\n"
             yield "data: [DONE]\n\n"
         finally:
@@ -455,3 +458,38 @@ def test_cli_bad_concurrency_rejected_by_argparse(capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "serve", "--max-concurrency", "0"])
     assert e.value.code == 2 and "--max-concurrency" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- shared-prefix workload
+def test_shared_prefix_workload_shape():
+    spec = serve.SharedPrefixSpec(num_prefixes=3, prefix_len=20, suffix_len=4, turns=2)
+    reqs = serve.shared_prefix_requests(11, spec, 5, seed=1)
+    assert len(reqs) == 11 and reqs == serve.shared_prefix_requests(11, spec, 5, seed=1)
+    prefixes = {" ".join(r.prompt.split()[:20]) for r in reqs}
+    assert len(prefixes) <= 3
+    firsts, seconds = reqs[:6], reqs[6:]  # 6 conversations: all first turns, then second turns
+    assert all(len(r.prompt.split()) == r.input_words == 24 for r in firsts)
+    assert all(len(r.prompt.split()) == r.input_words == 28 for r in seconds)
+    assert len({r.prompt for r in firsts}) == 6  # unique suffixes
+    for r in seconds:  # a later turn repeats its conversation's first turn
+        assert any(r.prompt.startswith(f.prompt + " ") for f in firsts)
+
+
+def test_shared_prefix_bad_sizes_name_the_flag():
+    with pytest.raises(ValueError, match="--prefix-len"):
+        serve.SharedPrefixSpec(prefix_len=0)
+
+
+def test_cli_shared_prefix_reports_the_hit_rate(fake, tmp_path, capsys):
+    url, state = fake
+    state.cached_share = 0.75
+    out_json = tmp_path / "sp.json"
+    argv = ["bench", "serve", "--url", url, "--workload", "shared-prefix", "--num-prompts", "6",
+            "--num-prefixes", "2", "--prefix-len", "12", "--suffix-len", "4", "--output-len", "2",
+            "--json", str(out_json)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "prefix hit rate (cached / prompt tokens) | 0.750" in out and "shared-prefix: 2 prefixes" in out
+    run = json.loads(out_json.read_text())["runs"][0]
+    assert run["cached_tokens"] == 6 * 12 and run["prefix_hit_rate"] == 0.75
+    assert len({" ".join(p["prompt"].split()[:12]) for p in state.payloads}) <= 2

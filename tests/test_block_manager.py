@@ -655,3 +655,24 @@ def run_random_ops(ops, prompt_of, block_size: int, num_blocks: int, windows=(No
         bm.free(s)
     bm.check_invariants([])
     assert bm.num_free_blocks == num_blocks and bm.usage() == 0.0
+
+
+def test_released_sliding_pages_age_with_their_prefix():
+    """A sequence's sliding-window pages released early are evicted no sooner than its other
+    prefix pages: another prompt that came and went before it ended is evicted first, and a
+    prompt sharing the first one's head still hits (its first recomputed token reads the
+    released blocks)."""
+    bm = BlockManager(40, block_size=4, group_windows=(None, 8))
+    kv = FakeKV(bm)
+    a = make_seq(list(range(25)))  # group 1 releases blocks 0..3 during prefill
+    run_prefill(bm, kv, a)
+    assert a.block_tables[1][:4] == [NULL_BLOCK] * 4
+    b = make_seq([100 + t for t in range(9)])
+    run_prefill(bm, kv, b)
+    b_pages = {bm.pool.get_cached_block(h, g) for h in bm._hashes(b, 2) for g in range(2)} - {None}
+    bm.free(b)  # b's pages are freed after a's released ones ...
+    bm.free(a)  # ... and before a's others
+    assert len(b_pages) == 4 and b_pages <= set(bm.pool._free_cached)
+    bm.pool.get_new_blocks(len(bm.pool._free_plain) + len(b_pages))  # memory pressure: evicts 4 cached pages
+    again = make_seq(list(range(12)) + [99, 98])  # a 3-block hit; position 12 reads blocks 1..3 of group 1
+    assert bm.num_cached_tokens(again) == 12

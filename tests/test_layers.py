@@ -82,9 +82,10 @@ def test_the_cycle_finder_finds_a_cycle():
 
 
 # What a function may import for itself (outside the command-line files, which import each
-# command's module when it runs): heavy dependencies that only some users install, and xgrammar
-# (it imports transformers: loaded once a constrained request comes).
-DEFERRED = ("transformers", "matplotlib", "triton", "kvserve.kernels.triton_", "xgrammar")
+# command's module when it runs): heavy dependencies that only some users install, xgrammar
+# (it imports transformers: loaded once a constrained request comes) and the replicas' Ray side.
+DEFERRED = ("transformers", "matplotlib", "triton", "kvserve.kernels.triton_", "xgrammar",
+            "kvserve.server.replicas.pool")
 
 
 def _local_imports(path: Path) -> list[tuple[int, str, str]]:

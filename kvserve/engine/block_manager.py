@@ -583,12 +583,24 @@ class BlockManager:
         """Drop seq's references. Blocks reaching 0 go back to the pool keeping their hash.
 
         Tail blocks are released first (the last logical block of every group, then the one
-        before, ...) so they are evicted before the shared-prefix blocks. Leaves
-        `num_computed_tokens` alone (preemption resets it). Safe to call twice.
+        before, ...) so they are evicted before the shared-prefix blocks. The pages a sliding
+        group released earlier, while still cached, take their place in that order too: a prefix
+        hit needs them as much as the full groups' pages, so a prefix's pages age together rather
+        than the released ones being evicted first. Leaves `num_computed_tokens` alone
+        (preemption resets it). Safe to call twice.
         """
         tables = seq.block_tables
-        self.pool.free_blocks(table[i] for i in reversed(range(max(map(len, tables))))
-                              for table in tables if i < len(table) and table[i] != NULL_BLOCK)
+        st = self._seqs.get(seq.seq_id)
+        for i in reversed(range(max(map(len, tables)))):
+            for g, table in enumerate(tables):
+                if i >= len(table):
+                    continue
+                if table[i] != NULL_BLOCK:
+                    self.pool.free_blocks((table[i],))
+                elif st is not None and i < st.num_registered:
+                    page = self.pool.get_cached_block(st.hashes[i], g)
+                    if page is not None:
+                        self.pool.refresh(page)
         seq.block_table = []
         seq.group_block_tables = []
         st = self._seqs.pop(seq.seq_id, None)

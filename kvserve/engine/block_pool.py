@@ -91,6 +91,12 @@ class BlockPool:
                 self._free_cached.pop(bid)  # prefix hits are always registered, hence in the cached pool
             b.ref_count += 1
 
+    def refresh(self, block_id: int) -> None:
+        """A cached free block goes to the back of the eviction order, as if freed now (nothing
+        happens to a block that is in use or no longer cached)."""
+        if block_id in self._free_cached:
+            self._free_cached.move_to_end(block_id)
+
     def free_blocks(self, block_ids: Iterable[int]) -> None:
         """Drop one reference from each block, in order. A block reaching 0 goes to the back of
         its free list keeping its hash, so the order given is the order of later eviction."""

@@ -101,7 +101,8 @@ class OutputProcessor:
                                           req.error_status)
         comps = [self._completion(s, kind) for s in req.seqs]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps, req.finished, m, req.error,
-                             req.error_status, prompt_logprobs=self._prompt_logprobs(req, kind))
+                             req.error_status, prompt_logprobs=self._prompt_logprobs(req, kind),
+                             num_cached_tokens=lead.num_cached_tokens or 0)
 
     @staticmethod
     def _prompt_logprobs(req: RequestState, kind: RequestOutputKind) -> list[dict[int, Logprob] | None] | None:

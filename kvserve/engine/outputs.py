@@ -44,6 +44,7 @@ class RequestOutput:
     # token {token id: Logprob} of it and its top alternatives. In every output once the prompt
     # is computed; a DELTA request's first output only.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache (usage's cached_tokens)
 
     @property
     def text(self) -> str:

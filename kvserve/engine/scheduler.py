@@ -297,7 +297,9 @@ class Scheduler:
             if n == 0 or not self._fits(seq, n):
                 break
             self.waiting.popleft()
-            self.bm.allocate(seq, n)  # reuses the cached prefix, sets num_computed_tokens
+            hit = self.bm.allocate(seq, n)  # reuses the cached prefix, sets num_computed_tokens
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = hit
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             prefills.append(ScheduledSeq(seq, n))

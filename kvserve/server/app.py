@@ -58,8 +58,10 @@ def build_app(engine: AsyncLLMEngine | LLMEngine, served_model_name: str, api_ke
               chat_template: TemplateSource | None = None, tool_call_parser: str | None = None) -> FastAPI:
     """`chat_template`: the template chats render with instead of the model's (--chat-template).
     `tool_call_parser`: the format of the model's tool calls for tool_choice "auto" (hermes,
-    llama3_json); None: the one its chat template defines, if any; "none": no auto tool calls."""
-    async_engine = engine if isinstance(engine, AsyncLLMEngine) else AsyncLLMEngine(engine)
+    llama3_json); None: the one its chat template defines, if any; "none": no auto tool calls.
+    `engine` may also be a replica set (kvserve/server/replicas/pool.py), which offers what the
+    routes use of an AsyncLLMEngine."""
+    async_engine = AsyncLLMEngine(engine) if isinstance(engine, LLMEngine) else engine
     metrics = ServerMetrics(async_engine.stats, served_model_name)
     if async_engine.observer is None:
         async_engine.observer = metrics

@@ -151,7 +151,7 @@ def _finish_reason(reason: str | None, called: bool) -> str | None:
 
 
 def _usage(out: RequestOutput) -> Usage:
-    return Usage.of(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
+    return Usage.of(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens)
 
 
 async def _stream(job: _Job, stream: RequestStream) -> AsyncIterator[str]:
@@ -177,7 +177,8 @@ async def _stream(job: _Job, stream: RequestStream) -> AsyncIterator[str]:
         yield DONE
         return
     if include_usage and final is not None:
-        yield sse(_chunk(job, [], include_usage, Usage.of(len(final.prompt_token_ids), num_output_tokens)))
+        yield sse(_chunk(job, [], include_usage, Usage.of(len(final.prompt_token_ids), num_output_tokens,
+                                                          final.num_cached_tokens)))
     yield DONE
 
 

@@ -152,7 +152,8 @@ def _response(job: _Job, finals: list[RequestOutput]) -> CompletionResponse:
 
 def _usage(job: _Job, finals: list[RequestOutput]) -> Usage:
     generated = 0 if job.req.echo_only else sum(len(c.token_ids) for o in finals for c in o.outputs)
-    return Usage.of(sum(len(o.prompt_token_ids) for o in finals), generated)
+    return Usage.of(sum(len(o.prompt_token_ids) for o in finals), generated,
+                    sum(o.num_cached_tokens for o in finals))
 
 
 async def _stream(job: _Job, streams: list[RequestStream]) -> AsyncIterator[str]:
@@ -161,7 +162,7 @@ async def _stream(job: _Job, streams: list[RequestStream]) -> AsyncIterator[str]
     offsets: dict[int, int] = {}  # choice index -> characters streamed (logprobs text_offset)
     done: set[int] = set()
     echoes: dict[int, _Echo | None] = {}  # prompt index -> its echo (the first output has its logprobs)
-    num_prompt_tokens = num_output_tokens = 0
+    num_prompt_tokens = num_output_tokens = num_cached_tokens = 0
     try:
         async for i, out in merge(streams):
             if not req.echo_only:
@@ -185,13 +186,14 @@ async def _stream(job: _Job, streams: list[RequestStream]) -> AsyncIterator[str]
                 yield sse(_chunk(job, [choice], include_usage))
             if out.finished:
                 num_prompt_tokens += len(out.prompt_token_ids)
+                num_cached_tokens += out.num_cached_tokens
     except RequestError as e:
         err = from_request_error(e)
         yield sse(error_body(err.message, err.status, err.param, err.code))
         yield DONE
         return
     if include_usage:
-        yield sse(_chunk(job, [], include_usage, Usage.of(num_prompt_tokens, num_output_tokens)))
+        yield sse(_chunk(job, [], include_usage, Usage.of(num_prompt_tokens, num_output_tokens, num_cached_tokens)))
     yield DONE
 
 

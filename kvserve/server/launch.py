@@ -26,6 +26,7 @@ from kvserve.loading.chat_template import read_chat_template
 from kvserve.server.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, build_app
 from kvserve.server.connections import DEFAULT_HEADER_TIMEOUT_S, with_header_timeout
 from kvserve.server.limits import RequestLimits
+from kvserve.server.replicas.router import POLICIES, RouterConfig
 from kvserve.server.state import ServerState
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,12 @@ class ServeOptions:
     log_level: str = "info"
     chat_template: str | None = None  # a Jinja file, or the template itself, instead of the model's
     tool_call_parser: str | None = None  # None: the chat template's format; "none": no auto tool calls
+    data_parallel_size: int = 1  # > 1: that many engine replicas on Ray Serve behind a router
+    router: str = "prefix"  # with replicas: prefix, round_robin or pow2
+    ray_address: str | None = None  # with replicas: an existing Ray cluster (None: a local one)
+    router_cache_threshold: float = RouterConfig.cache_threshold  # with replicas: see router.py
+    router_balance_abs_threshold: int = RouterConfig.balance_abs_threshold
+    router_balance_rel_threshold: float = RouterConfig.balance_rel_threshold
 
 
 class DrainingServer(uvicorn.Server):
@@ -94,8 +101,10 @@ def serve(config: EngineConfig, opts: ServeOptions) -> int:
     """Blocks until the server has shut down; returns the exit status (0 after a drain)."""
     _check_options(opts)
     template = read_chat_template(opts.chat_template, "--chat-template") if opts.chat_template is not None else None
-    engine = LLMEngine(config)
     name = opts.served_model_name or (str(config.model) if config.model is not None else DEFAULT_MODEL_NAME)
+    if opts.data_parallel_size > 1:
+        return _serve_replicas(config, opts, template, name)
+    engine = LLMEngine(config)
     async_engine = AsyncLLMEngine(engine, max_unread_tokens=opts.max_stream_backlog)
     app = build_app(async_engine, name, api_key=opts.api_key, max_queue=opts.max_queue,
                     max_body_bytes=opts.max_body_bytes, limits=opts.limits, protect_metrics=opts.protect_metrics,
@@ -105,6 +114,28 @@ def serve(config: EngineConfig, opts: ServeOptions) -> int:
     server = DrainingServer(uv_config, app.state.kvserve, opts.shutdown_timeout)
     log.info("serving %r on http://%s:%d (OpenAI API at /v1)", name, opts.host, opts.port)
     server.run()
+    return 0 if server.started else 1
+
+
+def _serve_replicas(config: EngineConfig, opts: ServeOptions, template, name: str) -> int:
+    """The same server in front of N engine replicas on Ray Serve (kvserve/server/replicas/)."""
+    from kvserve.server.replicas.pool import ReplicaOptions, start_replicas  # imports Ray: only when asked
+
+    replica_opts = ReplicaOptions(opts.data_parallel_size, opts.router, opts.ray_address,
+                                  cache_threshold=opts.router_cache_threshold,
+                                  balance_abs_threshold=opts.router_balance_abs_threshold,
+                                  balance_rel_threshold=opts.router_balance_rel_threshold)
+    replicas = start_replicas(config, replica_opts, opts.max_stream_backlog)
+    try:
+        app = build_app(replicas, name, api_key=opts.api_key, max_queue=opts.max_queue,
+                        max_body_bytes=opts.max_body_bytes, limits=opts.limits, protect_metrics=opts.protect_metrics,
+                        allowed_hosts=opts.allowed_hosts, body_timeout=opts.body_timeout, chat_template=template)
+        server = DrainingServer(uvicorn_config(app, opts), app.state.kvserve, opts.shutdown_timeout)
+        log.info("serving %r on http://%s:%d with %d replicas (router %s)", name, opts.host, opts.port,
+                 opts.data_parallel_size, opts.router)
+        server.run()
+    finally:
+        replicas.close()
     return 0 if server.started else 1
 
 
@@ -161,5 +192,13 @@ def _check_options(opts: ServeOptions) -> None:
         raise ValueError(f"--max-connections must be >= 1, got {opts.max_connections}")
     if opts.protect_metrics and opts.api_key is None:
         raise ValueError("--protect-metrics needs an API key (--api-key, --api-key-file or KVSERVE_API_KEY)")
+    if opts.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {opts.data_parallel_size}")
+    if opts.router not in POLICIES:
+        raise ValueError(f"--router must be one of {', '.join(POLICIES)}, got {opts.router!r}")
+    RouterConfig(cache_threshold=opts.router_cache_threshold, balance_abs_threshold=opts.router_balance_abs_threshold,
+                 balance_rel_threshold=opts.router_balance_rel_threshold)  # a bad setting names its flag
+    if opts.ray_address is not None and opts.data_parallel_size == 1:
+        raise ValueError("--ray-address needs --data-parallel-size > 1 (one engine runs in this process)")
     if opts.allowed_hosts is not None and not all(h.strip() for h in opts.allowed_hosts):
         raise ValueError(f"--allowed-hosts must be a comma list of host names, got {','.join(opts.allowed_hosts)!r}")

@@ -7,6 +7,11 @@ bounded by a concurrency semaphore, and measures per request TTFT, inter-chunk l
 TPOT and end-to-end latency, plus achieved request/token throughput and goodput under SLOs.
 Several rates make a sweep: one latency-vs-throughput point each.
 
+`--workload shared-prefix` sends K system prompts of L words, each request one of them plus a
+unique suffix (a multi-turn conversation's later turns repeat its earlier turns too), and reports
+the prefix hit rate from the server's `usage.prompt_tokens_details.cached_tokens`: the workload
+where a replica router that knows prefixes beats round-robin.
+
 The client has no tokenizer, so prompt lengths are in *words*, and the output length is fixed
 by sending `max_tokens` with `ignore_eos: true`; token counts come from the server's usage chunk
 (`stream_options.include_usage`) and fall back to counting content chunks.
@@ -65,6 +70,44 @@ def random_requests(n: int, input_len: int, output_len: int, seed: int) -> list[
     rng = random.Random(seed)
     return [BenchRequest(" ".join(rng.choice(_WORDS) for _ in range(input_len)), input_len, output_len)
             for _ in range(n)]
+
+
+@dataclass(frozen=True)
+class SharedPrefixSpec:
+    """K system prompts of `prefix_len` words; each conversation picks one at random and adds
+    `suffix_len` new words per turn (turn t repeats the conversation's earlier turns). Replies
+    are not fed back, so the prompts do not depend on the server and a run is reproducible."""
+
+    num_prefixes: int = 8
+    prefix_len: int = 512
+    suffix_len: int = 32
+    turns: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("num_prefixes", "prefix_len", "suffix_len", "turns"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}")
+
+
+def shared_prefix_requests(n: int, spec: SharedPrefixSpec, output_len: int, seed: int) -> list[BenchRequest]:
+    """`n` requests: ceil(n / turns) conversations, first turns (in random order) before second
+    turns, and so on, so that a prefix's requests interleave with the others'."""
+    rng = random.Random(seed)
+
+    def words(k: int) -> str:
+        return " ".join(rng.choice(_WORDS) for _ in range(k))
+
+    prefixes = [words(spec.prefix_len) for _ in range(spec.num_prefixes)]
+    num_convs = -(-n // spec.turns)
+    convs = [(prefixes[rng.randrange(spec.num_prefixes)], [words(spec.suffix_len) for _ in range(spec.turns)])
+             for _ in range(num_convs)]
+    out: list[BenchRequest] = []
+    for t in range(spec.turns):
+        for c in rng.sample(range(num_convs), num_convs):
+            prefix, turns = convs[c]
+            out.append(BenchRequest(" ".join([prefix, *turns[:t + 1]]), spec.prefix_len + (t + 1) * spec.suffix_len,
+                                    output_len))
+    return out[:n]
 
 
 def load_wikitext_words(path: Path) -> list[str]:
@@ -225,6 +268,7 @@ class RequestResult:
     itl_s: list[float] = field(default_factory=list)
     output_tokens: int = 0
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens (prefix-cache hits)
     usage_reported: bool = False
 
     @property
@@ -309,6 +353,9 @@ async def _read_stream(resp: httpx.Response, endpoint: str, result: RequestResul
     result.output_tokens = int(usage["completion_tokens"]) if result.usage_reported else chunks
     if usage and usage.get("prompt_tokens") is not None:
         result.prompt_tokens = int(usage["prompt_tokens"])
+    details = (usage or {}).get("prompt_tokens_details") or {}
+    if details.get("cached_tokens") is not None:
+        result.cached_tokens = int(details["cached_tokens"])
     result.success = True
 
 
@@ -437,6 +484,8 @@ class RunSummary:
     good_requests: int | None = None
     goodput: float | None = None
     requests_without_usage: int = 0
+    cached_tokens: int | None = None  # prompt tokens served from prefix caches (None: not reported)
+    prefix_hit_rate: float | None = None  # cached_tokens / input_tokens of the requests reporting both
     errors: list[str] = field(default_factory=list)
     requests: list[RequestResult] = field(default_factory=list)
 
@@ -466,6 +515,10 @@ def summarize_run(results: Sequence[RequestResult], duration_s: float, rate: flo
         requests_without_usage=sum(not r.usage_reported for r in ok),
         errors=error_digest(results), requests=list(results),
     )
+    reporting = [r for r in ok if r.cached_tokens is not None and r.prompt_tokens]
+    if reporting:
+        s.cached_tokens = sum(r.cached_tokens for r in reporting)
+        s.prefix_hit_rate = s.cached_tokens / sum(r.prompt_tokens for r in reporting)
     if slo is not None:
         s.slo_ms = {k: v for k in SLO_KEYS if (v := getattr(slo, f"{k}_ms")) is not None}
         s.good_requests = sum(slo.met_by(r) for r in results)
@@ -501,6 +554,8 @@ def table_rows(s: RunSummary) -> list[tuple[str, str]]:
         ("ITL mean / median / p99 (ms)", _stats_cell(s.itl_ms)),
         ("E2E mean / median / p99 (ms)", _stats_cell(s.e2e_ms)),
     ]
+    if s.prefix_hit_rate is not None:
+        rows.append(("prefix hit rate (cached / prompt tokens)", f"{s.prefix_hit_rate:.3f}"))
     if s.goodput is not None:
         rows.append(("goodput (req/s)", f"{s.goodput:.2f} ({s.good_requests} of {s.completed + s.failed} met SLOs)"))
     return rows
@@ -536,7 +591,8 @@ def summary_to_json(s: RunSummary) -> dict:
                       "ttft_ms": None if r.ttft_s is None else r.ttft_s * 1000,
                       "tpot_ms": None if r.tpot_s is None else r.tpot_s * 1000,
                       "e2e_ms": None if r.e2e_s is None else r.e2e_s * 1000,
-                      "output_tokens": r.output_tokens, "prompt_tokens": r.prompt_tokens}
+                      "output_tokens": r.output_tokens, "prompt_tokens": r.prompt_tokens,
+                      "cached_tokens": r.cached_tokens}
                      for r in s.requests]
     return d
 
@@ -607,6 +663,20 @@ def resolve_model(base_url: str, model: str | None, api_key: str | None, timeout
         raise ValueError(f"GET {base_url}/v1/models listed no models; pass --model") from None
 
 
+def _workload(args, seed: int) -> list[BenchRequest]:
+    if getattr(args, "workload", "dataset") == "shared-prefix":
+        spec = SharedPrefixSpec(args.num_prefixes, args.prefix_len, args.suffix_len, args.turns)
+        return shared_prefix_requests(args.num_prompts, spec, args.output_len, seed)
+    return build_requests(args.dataset, args.num_prompts, args.input_len, args.output_len, seed, args.dataset_path)
+
+
+def _workload_label(args) -> str:
+    if getattr(args, "workload", "dataset") == "shared-prefix":
+        return (f"shared-prefix: {args.num_prefixes} prefixes of {args.prefix_len} words, suffixes of "
+                f"{args.suffix_len} words, {args.turns} turn(s)")
+    return f"{args.dataset} prompts of {args.input_len} words"
+
+
 def main(args) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # the CLI logs at INFO: one line per request otherwise
     rates = parse_rates(args.request_rate)
@@ -616,8 +686,7 @@ def main(args) -> int:
     base = normalize_base_url(args.url)
     # Each rate gets its own prompts: reusing them would let the server's prefix cache skip
     # prefill for every rate after the first.
-    workloads = [build_requests(args.dataset, args.num_prompts, args.input_len, args.output_len,
-                                args.seed + 1_000_003 * k, args.dataset_path) for k in range(len(rates))]
+    workloads = [_workload(args, args.seed + 1_000_003 * k) for k in range(len(rates))]
     model = resolve_model(base, args.model, args.api_key, args.timeout)
     target = ServeTarget(base, model, args.endpoint, args.api_key, args.timeout)
     summaries = []
@@ -629,7 +698,7 @@ def main(args) -> int:
               f"{s.output_throughput:.1f} output tok/s")
     conc = args.max_concurrency or "unbounded"
     print_report(summaries, f"{target.url} (model {model}): {args.num_prompts} requests per rate, "
-                            f"{args.dataset} prompts of {args.input_len} words, max_tokens {args.output_len} "
+                            f"{_workload_label(args)}, max_tokens {args.output_len} "
                             f"(ignore_eos), max concurrency {conc}, seed {args.seed}")
     if args.json:
         config = {k: v for k, v in vars(args).items() if k not in ("api_key", "func")}
