@@ -10,7 +10,7 @@ import random
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
 import httpx
 import jsonschema
@@ -342,8 +342,9 @@ class Paint(BaseModel):
 
 
 class Inventory(BaseModel):
-    items: list[str] = Field(min_length=1, max_length=4)
-    counts: list[int] = Field(max_length=4)
+    # Bounded items: at temperature 1 an unbounded string or integer may run past any token limit.
+    items: list[Annotated[str, Field(max_length=16)]] = Field(min_length=1, max_length=4)
+    counts: list[Annotated[int, Field(ge=0, le=9999)]] = Field(max_length=4)
 
 
 class Weather(BaseModel):
