@@ -161,7 +161,7 @@ def main() -> None:
         rs.close()
     rr, pf = results["round_robin"], results["prefix"]
     out = {
-        "machine": machine(), "note": "measured on a busy shared 2-core machine",
+        "machine": machine(), "load_average_after": os.getloadavg()[0],
         "workload": {"num_prompts": args.num_prompts, "num_prefixes": args.num_prefixes, "prefix_len_words":
                      args.prefix_len, "suffix_len_words": args.suffix_len, "output_len": args.output_len,
                      "max_concurrency": args.max_concurrency or "unbounded",
