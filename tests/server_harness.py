@@ -4,11 +4,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import socket
+import subprocess
 import threading
 import time
 from contextlib import contextmanager
 from typing import Iterator
 
+import httpx
 import uvicorn
 
 from kvserve import EngineConfig
@@ -62,6 +64,21 @@ class LiveServer:
                 return True
             time.sleep(0.05)
         return self.pool_is_full()
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:
+    """Until a server process answers /health with 200; fails with its output if it exits first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited early:\n{proc.stdout.read() if proc.stdout else ''}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"server did not become healthy in {timeout:.0f} s")
 
 
 def free_socket() -> socket.socket:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -18,7 +17,7 @@ from kvserve.cli import main
 from kvserve.loading import ModelLoadError
 from kvserve.loading.hub import HF_FOLDER_FILES
 from kvserve.loading.loader import resolve_model_path
-from tests.server_harness import free_socket
+from tests.server_harness import free_socket, wait_healthy
 from tests.tiny_models import make_model
 
 TINY = "tiny-org/tiny-llama"
@@ -165,16 +164,7 @@ def test_serve_by_name(in_cache):
                             stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "the server did not start"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+        wait_healthy(url, proc, 120)
         assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == [TINY]
         r = httpx.post(url + "/v1/completions", json={"model": TINY, "prompt": "The quick brown fox", "max_tokens": 6,
                                                       "temperature": 0}, timeout=60)

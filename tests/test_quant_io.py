@@ -224,7 +224,7 @@ def test_serve_runs_a_saved_folder(saved):
     import httpx
 
     from kvserve import LLM, SamplingParams
-    from tests.server_harness import free_socket
+    from tests.server_harness import free_socket, wait_healthy
 
     want = LLM(str(saved)).generate("The quick", SamplingParams(max_tokens=6, temperature=0.0))[0].outputs[0].text
     with free_socket() as sock:
@@ -235,16 +235,7 @@ def test_serve_runs_a_saved_folder(saved):
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not become healthy"
-            time.sleep(0.2)
+        wait_healthy(url, proc, 180)
         r = httpx.post(url + "/v1/completions", json={"model": "q", "prompt": "The quick", "max_tokens": 6,
                                                         "temperature": 0}, timeout=60)
         assert r.status_code == 200, r.text

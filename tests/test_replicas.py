@@ -23,7 +23,7 @@ import pytest
 
 from kvserve import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
-from tests.server_harness import live_server
+from tests.server_harness import live_server, wait_healthy
 from tests.tiny_models import make_model
 
 ray = pytest.importorskip("ray", reason="pip install -e '.[dev]' (ray[serve], the `ray` extra)")
@@ -219,16 +219,7 @@ def test_cli_serves_with_replicas_and_leaves_no_process_after_sigterm(tiny_folde
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not become healthy"
-            time.sleep(0.3)
+        wait_healthy(url, proc, 120)
         with httpx.Client(base_url=url, timeout=60) as http:
             texts = {_complete(http, [5, 6, 7, 8], max_tokens=6)["choices"][0]["text"] for _ in range(2)}
             assert len(texts) == 1  # the same greedy text from both replicas

@@ -15,27 +15,13 @@ import pytest
 
 from kvserve.cli import main
 from kvserve.server.launch import resolve_api_key
-from tests.server_harness import free_socket
+from tests.server_harness import free_socket, wait_healthy
 
 pytestmark = pytest.mark.slow
 
 
 def _kvserve() -> str:
     return shutil.which("kvserve") or str(Path(sys.executable).with_name("kvserve"))
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited early:\n{proc.stdout.read()}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError("server did not become healthy")
 
 
 def test_sigterm_lets_the_in_flight_stream_finish_and_exits_0():
@@ -46,7 +32,7 @@ def test_sigterm_lets_the_in_flight_stream_finish_and_exits_0():
                              "--max-model-len", "1024", "--served-model-name", "g", "--shutdown-timeout", "60"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        _wait_healthy(url, proc)
+        wait_healthy(url, proc)
         body = {"model": "g", "prompt": "Once upon a time", "max_tokens": 40, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}
         with httpx.Client(base_url=url, timeout=120) as http, http.stream("POST", "/v1/completions", json=body) as r:

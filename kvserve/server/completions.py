@@ -28,7 +28,7 @@ from kvserve.server.protocol import (
     Usage,
 )
 from kvserve.server.state import Job, ServerState
-from kvserve.server.streams import DONE, SSEResponse, merge, sse, unless_disconnected
+from kvserve.server.streams import DONE, SSEResponse, collect_finals, merge, sse, submit_each, unless_disconnected
 from kvserve.server.structured import compile_constraint, constraint_of
 
 
@@ -106,7 +106,7 @@ async def create_completion(state: ServerState, request: Request, req: Completio
     streams = _submit(state, job, prompts)
     if req.stream:
         return SSEResponse(_stream(job, streams), streams)
-    finals = await unless_disconnected(request, _collect(streams))
+    finals = await unless_disconnected(request, collect_finals(streams))
     return Response(_response(job, finals).model_dump_json(), media_type="application/json")
 
 
@@ -118,28 +118,9 @@ async def _tokenize(state: ServerState, prompt: str | list[int]) -> list[int]:
 
 
 def _submit(state: ServerState, job: _Job, prompts: list[list[int]]) -> list[RequestStream]:
-    streams: list[RequestStream] = []
-    try:
-        for i, ids in enumerate(prompts):
-            streams.append(state.engine.generate(ids, job.params, f"{job.id}-{i}", job.arrival_time,
-                                                 cache_salt=job.req.cache_salt,
-                                                 deadline=job.arrival_time + state.limits.request_timeout))
-    except (ValueError, RequestError) as e:
-        for s in streams:
-            s.close()
-        raise APIError(getattr(e, "status", 400), str(e)) from None
-    return streams
-
-
-async def _collect(streams: list[RequestStream]) -> list[RequestOutput]:
-    finals: list[RequestOutput | None] = [None] * len(streams)
-    try:
-        async for i, out in merge(streams):
-            if out.finished:
-                finals[i] = out
-    except RequestError as e:
-        raise from_request_error(e) from None
-    return finals  # type: ignore[return-value]
+    return submit_each(prompts, lambda i, ids: state.engine.generate(
+        ids, job.params, f"{job.id}-{i}", job.arrival_time, cache_salt=job.req.cache_salt,
+        deadline=job.arrival_time + state.limits.request_timeout))
 
 
 def _response(job: _Job, finals: list[RequestOutput]) -> CompletionResponse:

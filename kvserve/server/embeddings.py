@@ -14,13 +14,13 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
-from kvserve.engine.async_engine import RequestError, RequestStream
+from kvserve.engine.async_engine import RequestStream
 from kvserve.engine.outputs import EmbeddingRequestOutput
 from kvserve.pooling_params import PoolingParams
-from kvserve.server.errors import APIError, from_request_error
+from kvserve.server.errors import APIError
 from kvserve.server.protocol import Embedding, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage, now
 from kvserve.server.state import ServerState
-from kvserve.server.streams import merge, unless_disconnected
+from kvserve.server.streams import collect_finals, submit_each, unless_disconnected
 
 
 async def create_embedding(state: ServerState, request: Request, req: EmbeddingRequest) -> Response:
@@ -70,26 +70,12 @@ async def _tokenize(state: ServerState, x: str | list[int], add_special_tokens: 
 
 def _submit(state: ServerState, prompts: list[list[int]], params: PoolingParams, rid: str,
             arrival: float) -> list[RequestStream]:
-    streams: list[RequestStream] = []
-    try:
-        for i, ids in enumerate(prompts):
-            streams.append(state.engine.embed(ids, params, f"{rid}-{i}", arrival,
-                                              deadline=arrival + state.limits.request_timeout))
-    except (ValueError, RequestError) as e:
-        for s in streams:
-            s.close()
-        raise APIError(getattr(e, "status", 400), str(e)) from None
-    return streams
+    return submit_each(prompts, lambda i, ids: state.engine.embed(
+        ids, params, f"{rid}-{i}", arrival, deadline=arrival + state.limits.request_timeout))
 
 
 async def _collect(streams: list[RequestStream]) -> list[EmbeddingRequestOutput]:
-    finals: list[EmbeddingRequestOutput | None] = [None] * len(streams)
-    try:
-        async for i, out in merge(streams):
-            if out.finished:
-                finals[i] = out
-    except RequestError as e:
-        raise from_request_error(e) from None
+    finals = await collect_finals(streams)
     for out in finals:  # a server-side abort (shutdown) ends a request without its embedding
         if not isinstance(out, EmbeddingRequestOutput) or out.outputs is None:
             raise APIError(503, "the request was aborted before its embedding was computed", None, "aborted")

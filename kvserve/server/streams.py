@@ -10,16 +10,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from typing import AsyncIterator, Awaitable, TypeVar
+from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from kvserve.engine.async_engine import RequestStream
+from kvserve.engine.async_engine import RequestError, RequestStream
 from kvserve.engine.outputs import RequestOutput
-from kvserve.server.errors import APIError
+from kvserve.server.errors import APIError, from_request_error
 
 T = TypeVar("T")
 DONE = "data: [DONE]\n\n"
@@ -69,6 +69,32 @@ async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reques
             t.cancel()
         for s in streams:
             s.close()
+
+
+def submit_each(prompts: list[list[int]], submit: Callable[[int, list[int]], RequestStream]) -> list[RequestStream]:
+    """One engine request per prompt (`submit(index, ids)`). If the engine refuses one, those
+    already submitted are closed (aborted) and the refusal becomes an APIError with its status."""
+    streams: list[RequestStream] = []
+    try:
+        for i, ids in enumerate(prompts):
+            streams.append(submit(i, ids))
+    except (ValueError, RequestError) as e:
+        for s in streams:
+            s.close()
+        raise APIError(getattr(e, "status", 400), str(e)) from None
+    return streams
+
+
+async def collect_finals(streams: list[RequestStream]) -> list:
+    """Each request's final output, by position (None where a request ended without one)."""
+    finals: list = [None] * len(streams)
+    try:
+        async for i, out in merge(streams):
+            if out.finished:
+                finals[i] = out
+    except RequestError as e:
+        raise from_request_error(e) from None
+    return finals
 
 
 class SSEResponse(StreamingResponse):
