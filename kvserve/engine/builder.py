@@ -234,14 +234,20 @@ def auto_kv_bytes(max_len: int, page_bytes: int, num_groups: int, block_size: in
     return min(want, cap)
 
 
+def kv_page_bytes(cfg: CacheConfig, mc: ModelConfig, groups: list[LayerGroup], kv_dtype: torch.dtype) -> int:
+    """Bytes of one page of the KV pool: block_size tokens of K and V for one layer group's layers."""
+    heads, k_dim, v_dim = mc.kv_cache_layout  # MLA: latent + RoPE key
+    per_token_head = KVCache.bytes_per_token_head(k_dim, kv_dtype, cfg.kv_cache_dtype, v_dim)
+    return len(groups[0].layers) * heads * per_token_head * cfg.block_size
+
+
 def kv_pool(cfg: CacheConfig, device: str, mc: ModelConfig, groups: list[LayerGroup], kv_dtype: torch.dtype,
             pad_page: bool, max_len: int) -> KVPool:
     """As many pages as kv_cache_gib holds, or the automatic budget (auto_kv_bytes: CPU memory;
     on CUDA a fixed 2 GiB) when it is None; at least one page per layer group. `pad_page`: one
     page more past the block manager's pool, which a captured decode step's padding rows write into."""
     heads, k_dim, v_dim = mc.kv_cache_layout  # MLA: latent + RoPE key
-    per_token_head = KVCache.bytes_per_token_head(k_dim, kv_dtype, cfg.kv_cache_dtype, v_dim)
-    page_bytes = len(groups[0].layers) * heads * per_token_head * cfg.block_size
+    page_bytes = kv_page_bytes(cfg, mc, groups, kv_dtype)
     if cfg.kv_cache_gib is not None:
         budget = cfg.kv_cache_gib * 2**30
     elif torch.device(device).type == "cpu":

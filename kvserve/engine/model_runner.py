@@ -241,10 +241,10 @@ class ModelRunner:
         return self.graphs.run(inputs)
 
     def _forward(self, inputs: Seq[StepInput], num_layers: int | None) -> torch.Tensor:
-        """The final hidden states [rows needing logits, hidden] of one forward pass. A pass that
-        raises leaves the recurrent states it read as they were (the engine reruns the step a
-        sequence at a time, which must start from the same states)."""
-        if self.state_cache is None:
+        """The final hidden states [rows needing logits, hidden] of one forward pass. A pass of
+        several sequences that raises leaves the recurrent states it read as they were (the engine
+        reruns the step a sequence at a time, which must start from the same states)."""
+        if self.state_cache is None or len(inputs) == 1:  # (a lone sequence's failure ends its request)
             return self._forward_pass(inputs, num_layers)
         saved = self.state_cache.save([inp.state_slot for inp in inputs if inp.start_pos > 0])
         try:

@@ -92,6 +92,7 @@ def analyze(model: rl.ModelShape, hw: rl.Hardware, seq_len: int, prompt_len: int
         "weight_bytes": rl.weight_memory(model),
         "kv_bytes_per_token": rl.kv_bytes_per_token(model),
         "kv_bytes_per_sequence": rl.kv_bytes_per_sequence(model, seq_len),
+        "state_bytes_per_sequence": rl.state_bytes_per_sequence(model),
         "max_batch": top,
         "ops": {col: {"ops": [{"name": op.name, "flops": op.flops, "bytes": op.bytes, "intensity": op.intensity,
                                "bound": op.bound(hw)} for op in ops], "step_time_s": rl.step_time(ops, hw)}
@@ -137,6 +138,9 @@ def render(r: dict) -> str:
         f"| KV bytes per token | {r['kv_bytes_per_token']:,.0f} |",
         f"| KV bytes per sequence (S = {s}{kv_note}) | {r['kv_bytes_per_sequence']:,.0f} "
         f"({_si(r['kv_bytes_per_sequence'], 'B')}) |",
+        *([f"| recurrent state per sequence ({m['mamba_layers']} Mamba layers, any S) | "
+           f"{r['state_bytes_per_sequence']:,.0f} ({_si(r['state_bytes_per_sequence'], 'B')}) |"]
+          if r.get("state_bytes_per_sequence") else []),
         f"| max batch that fits in {_si(hw['memory'], 'B')} | {r['max_batch']:,} |",
         "",
         f"Arithmetic intensity in FLOP/byte (compute-bound above {hw['intensity']:.3g}):",
