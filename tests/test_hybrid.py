@@ -347,3 +347,27 @@ def test_roofline_shape_of_the_tiny_checkpoint_matches_hf_and_the_engine(tiny):
     assert rl.num_params(shape) == sum(p.numel() for p in hf.parameters())
     assert rl.state_bytes_per_sequence(shape) == llm.engine.state_cache.slot_nbytes
     assert rl.kv_bytes_per_token(shape) * llm.engine.config.block_size == llm.engine.page_bytes
+
+
+def test_ssm_decode_kernel_matches_the_torch_update(tiny):
+    """kernels/ssm_decode.c against Mamba2Mixer's torch update: the same states and outputs up to
+    the readout's summation order, a zero start where a slot holds no state (even NaN garbage),
+    other slots untouched."""
+    from kvserve.kernels import ssm_decode
+
+    folder, _ = tiny
+    mixer = load_model(folder).model.layers[0].mamba
+    g = torch.Generator().manual_seed(0)
+    H, P, N, n = mixer.num_heads, mixer.head_dim, mixer.d_state, 3
+    pool = torch.randn(5, H, P, N, generator=g)
+    pool[4] = float("nan")  # a slot whose old contents must not be read
+    slots, has_state = torch.tensor([2, 4, 0]), torch.tensor([True, False, True])
+    x, B, C = (torch.randn(n, H, k, generator=g) for k in (P, N, N))
+    dt, A = mixer._dt(torch.randn(n, H, generator=g))
+    ref_pool = pool.clone()
+    ref = mixer._decode_ssm(ref_pool, slots, has_state, x, dt, A, B, C)
+    got = ssm_decode(pool, slots, has_state, x, dt, A, B, C, mixer.D.float())
+    assert got is not None  # KVSERVE_REQUIRE_KERNELS=1 in the test runs: a compiler is there
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(pool, ref_pool, rtol=1e-6, atol=1e-7, equal_nan=True)
+    assert torch.equal(pool[[1, 3]], ref_pool[[1, 3]])

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.kernels import ssm_decode as ssm_decode_kernel
 from kvserve.model.config import ModelConfig
 from kvserve.model.state_cache import RecurrentMetadata, SeqState
 
@@ -99,19 +100,29 @@ class Mamba2Mixer(nn.Module):
     def _decode(self, xbc: torch.Tensor, dt: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor,
                 slots: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor:
         """xbc [B, conv_dim], dt [B, H] of B sequences' one new token each -> y [B, intermediate]."""
-        keep = has_state.to(conv_pool.dtype)[:, None, None]
-        window = torch.cat((conv_pool.index_select(0, slots) * keep, xbc[:, :, None].to(conv_pool.dtype)), dim=-1)
+        past = torch.where(has_state[:, None, None], conv_pool.index_select(0, slots), 0.0)
+        window = torch.cat((past, xbc[:, :, None].to(conv_pool.dtype)), dim=-1)
         conv_pool.index_copy_(0, slots, window[:, :, 1:])  # the last d_conv - 1 inputs
         out = (window * self._conv_weight()).sum(-1)
         if self.conv1d.bias is not None:
             out = out + self.conv1d.bias
         x, B, C = self._split(F.silu(out))
         dt, A = self._dt(dt)  # [B, H], [H]
-        h = ssm_pool.index_select(0, slots).float() * has_state.float()[:, None, None, None]
+        # fp32 CPU states: one C pass over each state (kernels/ssm_decode.c), else the torch ops.
+        y = ssm_decode_kernel(ssm_pool, slots, has_state, x, dt, A, B, C, self.D.float())
+        if y is None:
+            y = self._decode_ssm(ssm_pool, slots, has_state, x, dt, A, B, C)
+        return y.flatten(1).to(xbc.dtype)
+
+    def _decode_ssm(self, ssm_pool: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, x: torch.Tensor,
+                    dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor) -> torch.Tensor:
+        """The SSM's one-token update in torch: x [B, H, P], dt [B, H], B and C [B, H, N] ->
+        y [B, H, P]; the states at `slots` advanced (from zeros where has_state is False)."""
+        h = ssm_pool.index_select(0, slots).float()
+        h = torch.where(has_state[:, None, None, None], h, 0.0)
         h = h * torch.exp(dt * A)[:, :, None, None] + (dt[:, :, None] * x)[..., None] * B[:, :, None, :]
         ssm_pool.index_copy_(0, slots, h.to(ssm_pool.dtype))
-        y = (h * C[:, :, None, :]).sum(-1) + self.D.float()[:, None] * x  # [B, H, P]
-        return y.flatten(1).to(xbc.dtype)
+        return (h * C[:, :, None, :]).sum(-1) + self.D.float()[:, None] * x
 
     # ------------------------------------------------------------ prefill: a chunk of one sequence
     def _prefill(self, xbc: torch.Tensor, dt: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor,
