@@ -5,7 +5,7 @@ A hybrid keeps K/V only for its attention layers (3 of Bamba-9B's 32) and, for e
 a conv state and an SSM state whose size does not depend on the sequence's length. Per sequence
 the engine holds `blocks x page bytes` of its KV pool plus one slot of its state pool.
 
-Two parts:
+Three parts:
   1. Bamba-9B's shape (32 layers, attention at 9, 18, 27: 32 heads, 8 KV heads of 128; Mamba2
      elsewhere: 128 heads of 64, one group, d_state 128, conv 4; hidden 4096), bf16 K/V and conv
      state, fp32 SSM state (the engine's), 16-token pages. No weights are needed: the blocks one
@@ -16,6 +16,9 @@ Two parts:
   2. A real engine on a tiny random Bamba (transformers' save_pretrained) runs one sequence to
      --real-tokens tokens; the blocks it holds x the engine's page bytes + the engine's state slot
      bytes is checked against part 1's arithmetic for that model.
+  3. The decode step's SSM update of one Mamba layer at Bamba-9B's shape (128 heads x 64 x 128
+     fp32 state, 4 MiB per sequence): kernels/ssm_decode.c against the torch ops it replaces,
+     batch 1 and 8 (median of --reps calls).
 
     python benchmarks/hybrid_memory.py [--plot docs/images/hybrid_memory.png] [--json-dir results]
 """
@@ -134,6 +137,44 @@ def _tokenizer(folder: Path) -> None:
     tok.save(str(folder / "tokenizer.json"))
 
 
+def decode_kernel_times(reps: int) -> list[dict]:
+    """Median seconds of one layer's SSM decode update, C kernel vs torch, at Bamba-9B's shape."""
+    import statistics
+    import time
+
+    import torch
+
+    from kvserve.kernels import ssm_decode
+    from kvserve.model.config import MAMBA
+    from kvserve.model.mamba import Mamba2Mixer
+
+    mc = bamba_9b()
+    layer = mc.layer_types.index(MAMBA)
+    mixer = Mamba2Mixer.__new__(Mamba2Mixer)  # the torch update needs only D: no 9B weights
+    torch.nn.Module.__init__(mixer)
+    mixer.D = torch.nn.Parameter(torch.ones(mc.mamba_n_heads), requires_grad=False)
+    H, P, N = mc.mamba_n_heads, mc.mamba_head_dim, mc.mamba_d_state
+    out = []
+    g = torch.Generator().manual_seed(0)
+    for batch in (1, 8):
+        pool = torch.randn(batch, H, P, N, generator=g) * 0.1
+        slots, has = torch.arange(batch), torch.ones(batch, dtype=torch.bool)
+        x, B, C = (torch.randn(batch, H, k, generator=g) for k in (P, N, N))
+        dt, A = torch.rand(batch, H, generator=g) * 0.1, -torch.rand(H, generator=g)
+        times = {}
+        for name, fn in (("c_kernel", lambda: ssm_decode(pool, slots, has, x, dt, A, B, C, mixer.D)),
+                         ("torch", lambda: mixer._decode_ssm(pool, slots, has, x, dt, A, B, C))):
+            fn()
+            ts = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn()
+                ts.append(time.perf_counter() - t0)
+            times[name] = statistics.median(ts)
+        out.append({"batch": batch, "layer": layer, **times, "speedup": times["torch"] / times["c_kernel"]})
+    return out
+
+
 def plot(table: dict, path: str) -> None:
     import matplotlib
 
@@ -166,6 +207,7 @@ def main() -> None:
     ap.add_argument("--plot", default="docs/images/hybrid_memory.png")
     ap.add_argument("--real-tokens", type=int, default=1024)
     ap.add_argument("--skip-real", action="store_true")
+    ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--json-dir", default=None)
     args = ap.parse_args()
 
@@ -189,6 +231,11 @@ def main() -> None:
         real = real_engine(args.real_tokens)
         print(f"real engine (tiny random Bamba, fp32): {real}")
         result["real_engine"] = real
+    kernel = decode_kernel_times(args.reps)
+    for k in kernel:
+        print(f"SSM decode update, one layer, batch {k['batch']}: C {k['c_kernel'] * 1e3:.2f} ms, "
+              f"torch {k['torch'] * 1e3:.2f} ms ({k['speedup']:.2f}x)")
+    result["ssm_decode"] = kernel
     save_json("hybrid_memory", result, args.json_dir)
 
 
