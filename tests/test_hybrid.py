@@ -371,3 +371,13 @@ def test_ssm_decode_kernel_matches_the_torch_update(tiny):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(pool, ref_pool, rtol=1e-6, atol=1e-7, equal_nan=True)
     assert torch.equal(pool[[1, 3]], ref_pool[[1, 3]])
+
+
+def test_roofline_cli_reports_the_state(capsys):
+    from kvserve.cli import main
+
+    assert main(["roofline", "--model", "bamba-9b", "--seq-len", "16384", "--batch", "1,8"]) == 0
+    text = capsys.readouterr().out
+    assert "| recurrent state per sequence (29 Mamba layers, any S) | 123,104,768 (123 MB) |" in text
+    assert "| KV bytes per sequence (S = 16384) | 201,326,592 (201 MB) |" in text
+    assert "3 of 32 layers (29 Mamba2)" in text and "ssm_scan" in text

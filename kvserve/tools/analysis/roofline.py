@@ -427,7 +427,7 @@ def kv_variants(m: ModelShape) -> list[tuple[str, ModelShape]]:
     if m.heads % 8 == 0 and m.heads > 8:
         cands.append(("GQA (K=8)", replace(plain, kv_heads=8)))
     cands.append(("MQA (K=1)", replace(plain, kv_heads=1)))
-    if not m.mla:
+    if not m.mla and not m.mamba_layers:  # (MLA attention beside Mamba layers: not a shape kvserve serves)
         cands.append((f"MLA (d_c={4 * m.head_dim})",
                       replace(m, kv_heads=m.heads, kv_latent=4 * m.head_dim, rope_dim=m.head_dim // 2)))
     if not m.mla and m.kv_share == 1:
