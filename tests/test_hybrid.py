@@ -113,6 +113,23 @@ def test_engine_logprobs_match_hf(tiny):
         assert abs(lp - ref[len(p) - 1 + j, token].item()) < LOGIT_TOL, j
 
 
+def test_engine_bf16_stays_near_hf_fp32(tiny):
+    """bf16 weights, K/V and conv states (the SSM state stays fp32): prompt and decode logprobs
+    within bf16's reach of HF's fp32 numbers (a dtype slip in the mixer would be far off)."""
+    folder, hf = tiny
+    llm = LLM(str(folder), kv_cache_gib=0.01, max_num_batched_tokens=12, dtype="bfloat16")
+    assert llm.engine.state_cache.conv[0].dtype == torch.bfloat16
+    assert llm.engine.state_cache.ssm[0].dtype == torch.float32
+    p = prompts([26])[0]
+    out = llm.generate([p], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1,
+                                           prompt_logprobs=1))[0]
+    full = p + out.outputs[0].token_ids
+    ref = torch.log_softmax(hf_logits(hf, full), dim=-1)
+    got = [out.prompt_logprobs[i][p[i]].logprob for i in range(1, len(p))] + out.outputs[0].logprobs
+    want = [ref[i - 1, full[i]].item() for i in range(1, len(full))]
+    assert max(abs(a - b) for a, b in zip(got, want)) < 0.1
+
+
 def test_engine_preemption_recomputes_state(tiny):
     """A KV pool of 8 pages for 3 sequences of up to 4 pages each: sequences are preempted and
     recompute their state from the prompt, and still give HF's tokens; every slot comes back."""
