@@ -66,6 +66,9 @@ class Sequence:
     # Tokens whose K/V the draft model's own cache holds (None = no separate draft cache). A
     # block is registered in the prefix cache only once both caches hold it.
     num_draft_computed: int | None = None
+    # A hybrid model's recurrent state: the slot of the state pool this sequence holds (None: none
+    # held; see kvserve/engine/state_slots.py).
+    state_slot: int | None = None
     stop_reason: int | str | None = None
     error: str | None = None
     # Per-token timestamps from the engine's monotonic clock.

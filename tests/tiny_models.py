@@ -47,6 +47,10 @@ def make_config(kind: str):
         cls = tf.DeepseekV3Config if kind == "deepseek_v3" else tf.DeepseekV2Config
         return cls(**{**common, "num_key_value_heads": 4}, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16,
                    qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=3, rope_scaling=None)
+    if kind == "bamba":  # Mamba2 layers around one attention layer; chunk 8 so prompts span several scan blocks
+        return tf.BambaConfig(**{**common, "num_hidden_layers": 4}, attn_layer_indices=[1], mamba_n_heads=4,
+                              mamba_d_head=32, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4,
+                              mamba_chunk_size=8)
     raise ValueError(kind)
 
 
@@ -70,6 +74,13 @@ def make_model(kind: str, folder: Path, shard: bool = False, **overrides):
         with torch.no_grad():
             for n, p in model.named_parameters():
                 if "norm" in n:
+                    p.normal_(1, 0.3)
+    if kind == "bamba":  # random decays, skips, time-step biases and norm gains, not HF's uniform init
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n.endswith(("A_log", "dt_bias", "D")):
+                    p.normal_(0, 0.5)
+                elif "norm" in n:
                     p.normal_(1, 0.3)
     model = model.float().eval()
     model.save_pretrained(folder, max_shard_size="60KB" if shard else "2GB")

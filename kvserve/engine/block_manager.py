@@ -46,6 +46,11 @@ the same in every group, so group 0's table and hash map stand for all.
 Extra keys: a request may carry `seq.cache_salt`, a tuple (a LoRA name, a per-user salt,
 ...). It is mixed into every block hash so requests with different salts never share K/V.
 Use ints and strings in it (it is hashed through `repr`).
+
+Recurrent state (hybrid models). With `num_state_slots`, every sequence also holds one slot of a
+fixed state pool (`state_slots.StateSlots`): taken by its first allocation, given back by `free`,
+copied by `fork`. Such a manager never serves prefix hits: a hit would supply K/V for the
+attention layers but no recurrent state at that position.
 """
 from __future__ import annotations
 
@@ -56,6 +61,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, NamedTuple
 from typing import Sequence as Seq
 
 from kvserve.engine.block_pool import BlockHash, BlockPool
+from kvserve.engine.state_slots import StateSlots
 
 if TYPE_CHECKING:
     from kvserve.sequence import Sequence
@@ -130,7 +136,7 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
-                 group_windows: Seq[int | None] = (None,), sink_tokens: int = 0):
+                 group_windows: Seq[int | None] = (None,), sink_tokens: int = 0, num_state_slots: int = 0):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         group_windows = tuple(group_windows)
@@ -144,7 +150,12 @@ class BlockManager:
         # for good; their released entries are then the run [sink_blocks, ...), not a leading one.
         self.sink_tokens = sink_tokens
         self.sink_blocks = -(-sink_tokens // block_size)
+        if num_state_slots and enable_prefix_caching:
+            raise ValueError("prefix caching cannot serve a model with recurrent state (num_state_slots > 0): "
+                             "a cached prefix has K/V but no saved state")
         self.enable_prefix_caching = enable_prefix_caching
+        # A hybrid model's recurrent state pool (None: no recurrent layers).
+        self.state_slots = StateSlots(num_state_slots) if num_state_slots else None
         self.group_windows = group_windows
         self.num_groups = len(group_windows)
         self._sliding = [g for g, w in enumerate(group_windows) if w is not None]
@@ -421,6 +432,8 @@ class BlockManager:
     def can_allocate(self, seq: Sequence, num_new_tokens: int, reserve_blocks: int = 0) -> bool:
         """Whether `allocate(seq, num_new_tokens)` would succeed (cached hits included) and
         still leave `reserve_blocks` free (a watermark for admissions)."""
+        if self.state_slots is not None and self.state_slots.needed(seq) > self.state_slots.num_free:
+            return False
         return self._plan(seq, num_new_tokens).num_from_free_pool + reserve_blocks <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> int:
@@ -438,6 +451,8 @@ class BlockManager:
         needed = plan.num_from_free_pool
         if needed > self.num_free_blocks:
             raise RuntimeError(f"need {needed} free KV blocks, have {self.num_free_blocks}")
+        if self.state_slots is not None:
+            self.state_slots.allocate(seq)  # (raises before any block moves when none is free)
         num_hit = len(plan.hits[0]) if plan.hits else 0
         if self._is_first_allocation(seq) and self.enable_prefix_caching:
             self.prefix_cache_queries += seq.num_tokens
@@ -493,6 +508,14 @@ class BlockManager:
 
     def _shared(self, bid: int) -> bool:
         return bid != NULL_BLOCK and self.blocks[bid].ref_count > 1
+
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        """Recurrent-state slot copies (src, dst) recorded by `fork` since the last call."""
+        return self.state_slots.take_copies() if self.state_slots is not None else []
+
+    @property
+    def num_free_state_slots(self) -> int | None:
+        return self.state_slots.num_free if self.state_slots is not None else None
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write pairs recorded by `allocate` since the last call (then cleared)."""
@@ -570,6 +593,8 @@ class BlockManager:
         """
         if any(child.block_tables):
             raise ValueError(f"fork: child seq {child.seq_id} already holds blocks")
+        if self.state_slots is not None:
+            self.state_slots.fork(parent, child)
         self.pool.touch(bid for table in self.tables(parent) for bid in table if bid != NULL_BLOCK)
         child.block_table = list(parent.block_table)
         child.group_block_tables = [list(t) for t in parent.group_block_tables]
@@ -589,6 +614,8 @@ class BlockManager:
         than the released ones being evicted first. Leaves `num_computed_tokens` alone
         (preemption resets it). Safe to call twice.
         """
+        if self.state_slots is not None:
+            self.state_slots.free(seq)
         tables = seq.block_tables
         st = self._seqs.get(seq.seq_id)
         for i in reversed(range(max(map(len, tables)))):
@@ -664,6 +691,8 @@ class BlockManager:
             )
         self._check_contents(seqs)
         self._check_inflight(seqs)
+        if self.state_slots is not None:
+            self.state_slots.check_invariants(seqs)
 
     def _check_tables(self, s: Sequence) -> None:
         """Shapes of one sequence's tables: one per group (or none), equal lengths, distinct

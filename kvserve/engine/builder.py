@@ -29,12 +29,13 @@ from kvserve.engine.cuda_graphs import DecodeGraphs
 from kvserve.engine.scheduler import Scheduler
 from kvserve.kernels.host_memory import available_memory_bytes, keep_freed_memory
 from kvserve.loading import LoadedModel, load_model
-from kvserve.loading.footprint import weight_footprint
+from kvserve.loading.footprint import state_pool_footprint, weight_footprint
 from kvserve.loading.loader import build_model, resolve_model_path
 from kvserve.loading.streamed import load_quantized_streaming
 from kvserve.model.attention import KVCache
 from kvserve.model.base import stored_weight_bytes
 from kvserve.model.config import LayerGroup, ModelConfig, kv_layer_groups
+from kvserve.model.state_cache import StateCache
 from kvserve.model.streaming import StreamPolicy, layer_policies
 from kvserve.weights.ggml import GGMLLinear
 from kvserve.weights.linear import QuantLinear
@@ -86,11 +87,13 @@ def check_memory(cfg: EngineConfig, path: Path) -> None:
     w = cfg.weights_config
     weights = weight_footprint(path, w.weights, cfg.dtype, w.pack_weights and not w.compile)
     kv = int(cfg.kv_cache_gib * 2**30) if cfg.kv_cache_gib is not None else 0
-    if weights + kv > available:
+    state = state_pool_footprint(path, cfg.max_num_seqs, cfg.dtype, cfg.device)
+    if weights + kv + state > available:
         kv_part = f" + KV pool {kv / 1e9:.2f} GB (--kv-cache-gib)" if kv else ""
+        state_part = f" + recurrent state pool {state / 1e9:.2f} GB (--max-num-seqs slots)" if state else ""
         raise InsufficientMemoryError(
-            f"{path.name}: weights {weights / 1e9:.2f} GB as --weights {w.weights} keeps them{kv_part} = "
-            f"{(weights + kv) / 1e9:.2f} GB, but {available / 1e9:.2f} GB of memory is available; use a "
+            f"{path.name}: weights {weights / 1e9:.2f} GB as --weights {w.weights} keeps them{kv_part}{state_part} = "
+            f"{(weights + kv + state) / 1e9:.2f} GB, but {available / 1e9:.2f} GB of memory is available; use a "
             f"smaller --kv-cache-gib, --weights gguf (a GGUF's own blocks) or int4, or --no-pack-weights")
 
 
@@ -150,6 +153,36 @@ def check_model(cfg: EngineConfig, mc: ModelConfig) -> None:
     if mc.kv_source is not None and cfg.streaming_window is not None:
         raise ValueError("streaming_window is not supported for models with cross-layer KV sharing "
                          "(config kvserve_kv_source)")
+    if mc.is_hybrid:
+        check_hybrid(cfg, mc)
+
+
+def check_hybrid(cfg: EngineConfig, mc: ModelConfig) -> None:
+    """What a model with recurrent (Mamba) layers cannot do yet, refused by option: its state
+    advances token by token and cannot be rolled back (speculative decoding rejects drafts) or
+    windowed (StreamingLLM); the compiled graph, CUDA graphs and tensor-parallel workers know
+    only the paged KV pool. (Prefix caching is turned off instead: see `block_manager`.)"""
+    refused = [(cfg.speculative is not None, f"speculative {cfg.speculative!r}"),
+               (cfg.streaming_window is not None, "streaming_window"),
+               (cfg.compile, "compile"),
+               (cfg.parallel_config.enabled, "tensor_parallel_size > 1")]
+    for bad, option in refused:
+        if bad:
+            raise ValueError(f"{option} is not supported for hybrid models with recurrent layers "
+                             f"({mc.model_type}: {len(mc.mamba_layers)} Mamba layers)")
+
+
+def state_pool(cfg: SchedulerConfig, device: str, mc: ModelConfig, dtype: torch.dtype) -> StateCache | None:
+    """A hybrid model's recurrent state pool: one slot per sequence that may run at once
+    (max_num_seqs; the scheduler never admits a sequence, or a request's n samples, without free
+    slots). None for a model without recurrent layers."""
+    if not mc.is_hybrid:
+        return None
+    cache = StateCache(mc.mamba_layers, cfg.max_num_seqs, mc.mamba_conv_dim, mc.mamba_d_conv, mc.mamba_n_heads,
+                       mc.mamba_head_dim, mc.mamba_d_state, dtype, device)
+    log.info("recurrent state pool: %d slots x %.2f MiB (%d Mamba layers: conv + SSM state) = %.2f GiB",
+             cache.num_slots, cache.slot_nbytes / 2**20, len(mc.mamba_layers), cache.nbytes / 2**30)
+    return cache
 
 
 def stream_policies(streaming: StreamingConfig, mc: ModelConfig) -> list[StreamPolicy] | None:
@@ -201,14 +234,20 @@ def auto_kv_bytes(max_len: int, page_bytes: int, num_groups: int, block_size: in
     return min(want, cap)
 
 
+def kv_page_bytes(cfg: CacheConfig, mc: ModelConfig, groups: list[LayerGroup], kv_dtype: torch.dtype) -> int:
+    """Bytes of one page of the KV pool: block_size tokens of K and V for one layer group's layers."""
+    heads, k_dim, v_dim = mc.kv_cache_layout  # MLA: latent + RoPE key
+    per_token_head = KVCache.bytes_per_token_head(k_dim, kv_dtype, cfg.kv_cache_dtype, v_dim)
+    return len(groups[0].layers) * heads * per_token_head * cfg.block_size
+
+
 def kv_pool(cfg: CacheConfig, device: str, mc: ModelConfig, groups: list[LayerGroup], kv_dtype: torch.dtype,
             pad_page: bool, max_len: int) -> KVPool:
     """As many pages as kv_cache_gib holds, or the automatic budget (auto_kv_bytes: CPU memory;
     on CUDA a fixed 2 GiB) when it is None; at least one page per layer group. `pad_page`: one
     page more past the block manager's pool, which a captured decode step's padding rows write into."""
     heads, k_dim, v_dim = mc.kv_cache_layout  # MLA: latent + RoPE key
-    per_token_head = KVCache.bytes_per_token_head(k_dim, kv_dtype, cfg.kv_cache_dtype, v_dim)
-    page_bytes = len(groups[0].layers) * heads * per_token_head * cfg.block_size
+    page_bytes = kv_page_bytes(cfg, mc, groups, kv_dtype)
     if cfg.kv_cache_gib is not None:
         budget = cfg.kv_cache_gib * 2**30
     elif torch.device(device).type == "cpu":
@@ -218,7 +257,8 @@ def kv_pool(cfg: CacheConfig, device: str, mc: ModelConfig, groups: list[LayerGr
     num_blocks = max(len(groups), int(budget // page_bytes))
     cache = KVCache(mc.num_layers, (num_blocks + int(pad_page)) * cfg.block_size, heads, k_dim,
                     kv_dtype, device, layer_groups=[g.layers for g in groups],
-                    kv_dtype=cfg.kv_cache_dtype, v_head_dim=v_dim, kv_source=mc.kv_source)
+                    kv_dtype=cfg.kv_cache_dtype, v_head_dim=v_dim, kv_source=mc.kv_source,
+                    kv_layers=mc.kv_layers)
     return KVPool(cache, page_bytes, num_blocks)
 
 
@@ -229,15 +269,22 @@ def kv_cache_args(cfg: CacheConfig, mc: ModelConfig, groups: list[LayerGroup], k
     heads, k_dim, v_dim = mc.kv_cache_layout
     return dict(num_layers=mc.num_layers, num_slots=num_slots, num_kv_heads=heads, head_dim=k_dim, dtype=kv_dtype,
                 layer_groups=[g.layers for g in groups], kv_dtype=cfg.kv_cache_dtype, v_head_dim=v_dim,
-                kv_source=mc.kv_source)
+                kv_source=mc.kv_source, kv_layers=mc.kv_layers)
 
 
 def block_manager(cfg: CacheConfig, streaming: StreamingConfig, num_blocks: int,
-                  groups: list[LayerGroup]) -> BlockManager:
-    """Prefix caching needs a KV cache to hit; sink_tokens is 0 unless streaming (StreamingConfig checks)."""
-    return BlockManager(num_blocks, cfg.block_size,
-                        enable_prefix_caching=cfg.enable_prefix_caching and cfg.use_kv_cache,
-                        group_windows=[g.window for g in groups], sink_tokens=streaming.attention_sinks)
+                  groups: list[LayerGroup], states: StateCache | None = None) -> BlockManager:
+    """Prefix caching needs a KV cache to hit; sink_tokens is 0 unless streaming (StreamingConfig checks).
+    A hybrid model (`states`: its recurrent state pool) gets no prefix caching: a cached prefix
+    holds the attention layers' K/V but no recurrent state at its end, so a hit would skip tokens
+    the Mamba layers never saw (turned off with a log line, as vLLM did before it saved states)."""
+    prefix = cfg.enable_prefix_caching and cfg.use_kv_cache
+    if prefix and states is not None:
+        log.info("prefix caching is off: the model has recurrent layers, whose state a cached prefix does not hold")
+        prefix = False
+    return BlockManager(num_blocks, cfg.block_size, enable_prefix_caching=prefix,
+                        group_windows=[g.window for g in groups], sink_tokens=streaming.attention_sinks,
+                        num_state_slots=0 if states is None else states.num_slots)
 
 
 def cap_max_model_len(max_len: int, bm: BlockManager, cfg: SchedulerConfig, keep_all: bool) -> int:
@@ -264,11 +311,14 @@ def log_pool(cfg: CacheConfig, groups: list[LayerGroup], num_blocks: int, cache:
              cache.nbytes / 2**30, layout)
 
 
-def log_memory(model: torch.nn.Module, cache: KVCache) -> None:
-    """What the engine holds, planned at start: weights as stored, the fast paths' copies, the KV pool."""
+def log_memory(model: torch.nn.Module, cache: KVCache, states: StateCache | None = None) -> None:
+    """What the engine holds, planned at start: weights as stored, the fast paths' copies, the KV
+    pool, a hybrid model's recurrent state pool."""
     weights, copies = stored_weight_bytes(model), fast_path_nbytes(model)
-    log.info("memory: weights %.2f GB, fast-path copies %.2f GB, KV pool %.2f GB; %.2f GB in all", weights / 1e9,
-             copies / 1e9, cache.nbytes / 1e9, (weights + copies + cache.nbytes) / 1e9)
+    state = 0 if states is None else states.nbytes
+    log.info("memory: weights %.2f GB, fast-path copies %.2f GB, KV pool %.2f GB, state pool %.2f GB; %.2f GB in all",
+             weights / 1e9, copies / 1e9, cache.nbytes / 1e9, state / 1e9,
+             (weights + copies + cache.nbytes + state) / 1e9)
 
 
 def scheduler(cfg: SchedulerConfig, spec: SpeculativeConfig, bm: BlockManager, max_len: int) -> Scheduler:
@@ -284,7 +334,7 @@ def cuda_graphs_fit(cfg: EngineConfig, mc: ModelConfig, policies: list[StreamPol
     enforce_eager; not under tensor parallelism (a captured step would hold the all-reduces)."""
     return (not cfg.enforce_eager and not cfg.compile and not cfg.parallel_config.enabled
             and cfg.weights == "float" and cfg.kv_cache_dtype == "auto" and cfg.use_kv_cache
-            and policies is None and not mc.mla)
+            and policies is None and not mc.mla and not mc.is_hybrid)
 
 
 def capture_cuda_graphs(model: torch.nn.Module, cache: KVCache, cfg: EngineConfig, max_len: int,

@@ -61,6 +61,8 @@ class LLMEngine:
         self.layer_groups = builder.layer_groups(cfg, mc, self.stream_policies)
         graphs = self._cuda_graphs_apply()
         kv_dtype = next(self.loaded.model.parameters()).dtype
+        # A hybrid model's recurrent states, allocated first so the automatic KV budget sees them.
+        self.state_cache = builder.state_pool(cfg.scheduler_config, cfg.device, mc, kv_dtype)
         pool = builder.kv_pool(cfg.cache_config, cfg.device, mc, self.layer_groups, kv_dtype, graphs,
                                self.max_model_len)
         self.kv_cache, self.page_bytes, self.num_blocks = pool.cache, pool.page_bytes, pool.num_blocks
@@ -71,16 +73,17 @@ class LLMEngine:
                                                        cfg.block_size)
         else:
             self.runner = ModelRunner(self.loaded.model, self.kv_cache, cfg.block_size, cfg.device,
-                                      stream_policies=self.stream_policies, compile=cfg.compile)
+                                      stream_policies=self.stream_policies, compile=cfg.compile,
+                                      state_cache=self.state_cache)
         self.block_manager = builder.block_manager(cfg.cache_config, cfg.streaming_config, self.num_blocks,
-                                                   self.layer_groups)
+                                                   self.layer_groups, self.state_cache)
         target = DraftTarget(self.loaded, self.runner, self.kv_cache, self.layer_groups)
         self.spec_decoder = SpeculativeDecoder(cfg, target)
         self.draft_runner, self.spec_stats = self.spec_decoder.draft_runner, self.spec_decoder.stats
         self.max_model_len = builder.cap_max_model_len(self.max_model_len, self.block_manager, cfg.scheduler_config,
                                                        keep_all=self.draft_runner is not None)
         builder.log_pool(cfg.cache_config, self.layer_groups, self.num_blocks, self.kv_cache)
-        builder.log_memory(self.loaded.model, self.kv_cache)
+        builder.log_memory(self.loaded.model, self.kv_cache, self.state_cache)
         self.scheduler = builder.scheduler(cfg.scheduler_config, cfg.speculative_config, self.block_manager,
                                            self.max_model_len)
         self.sampler = Sampler(self.tokenizer.eos_token_ids)
@@ -230,6 +233,9 @@ class LLMEngine:
             "prefix_cache_hits": bm.prefix_cache_hits,
             "num_preemptions": sch.num_preemptions,
             "prompt_tokens_computed": self.num_prompt_tokens_computed,
+            # A hybrid model's recurrent state pool (0 / None without recurrent layers).
+            "state_slots_total": 0 if self.state_cache is None else self.state_cache.num_slots,
+            "state_slots_free": bm.num_free_state_slots or 0,
             **{f"spec_{k}": v for k, v in self.spec_stats.items()},
         }
 
@@ -302,6 +308,7 @@ class LLMEngine:
 
     def _execute(self, sched: SchedulerOutput, touched: set[str]) -> None:
         self.runner.copy_blocks(sched.block_copies, self.config.block_size)
+        self.runner.copy_states(sched.state_copies)
         self.spec_decoder.copy_blocks(sched.block_copies)
         drafts = self.spec_decoder.propose(sched)
         batch = step_batch.build_batch(sched, drafts, self.clock())

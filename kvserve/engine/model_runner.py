@@ -19,6 +19,7 @@ from kvserve.model.attention import (
     SeqAttention,
 )
 from kvserve.model.base import CausalLM
+from kvserve.model.state_cache import RecurrentMetadata, SeqState, StateCache
 from kvserve.model.streaming import PagedStreamingAttention, StreamPolicy
 
 
@@ -38,6 +39,9 @@ class StepInput:
     # Final hidden states of the `num_hidden` rows just before the logit rows (prompt logprobs,
     # embeddings: `ModelRunner.execute_hidden`); 0 on the plain path.
     num_hidden: int = 0
+    # A hybrid model's recurrent layers: the sequence's slot of the state pool (continued from
+    # its state when start_pos > 0, from zeros at 0).
+    state_slot: int | None = None
 
     @property
     def tables(self) -> list[Seq[int]]:
@@ -53,19 +57,22 @@ class ModelRunner:
     use_decode_plan = True  # batch-1 decode steps through accel/decode_plan.py where it applies
 
     def __init__(self, model: CausalLM, kv_cache: KVCache, block_size: int, device: torch.device | str = "cpu",
-                 stream_policies: list[StreamPolicy] | None = None, compile: bool = False):
+                 stream_policies: list[StreamPolicy] | None = None, compile: bool = False,
+                 state_cache: StateCache | None = None):
         """`stream_policies`: StreamingLLM, one policy per layer (None: the model's own
         attention). Then the pool holds pre-RoPE keys and every sequence, decodes included,
         gets a per-sequence attention view (see kvserve/model/streaming.py). `compile`: full
         forward passes through torch.compile (EngineConfig.compile; the model is not changed,
-        so engines sharing it may differ)."""
+        so engines sharing it may differ). `state_cache`: a hybrid model's recurrent state pool;
+        each input then names its slot (StepInput.state_slot)."""
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = torch.device(device)
         self._block_offsets = torch.arange(block_size, device=self.device)
         self.stream_policies = stream_policies
-        self._rotary = [model.rotary[t] for t in model.config.layer_types]
+        self.state_cache = state_cache
+        self._rotary = [model.rotary[t] if t in model.rotary else None for t in model.config.layer_types]
         self.compiled = compile_step(model) if compile else None
         self.graphs: DecodeGraphs | None = None  # CUDA: captured decode steps (set by the engine)
 
@@ -130,7 +137,34 @@ class ModelRunner:
         meta = metas[0]
         if num_groups > 1:
             meta = AttentionMetadata(slot_mapping=meta.slot_mapping, seqs=meta.seqs, decode=meta.decode, groups=metas)
+        if self.state_cache is not None:
+            meta.recurrent = self._recurrent(inputs)
         return self._tensor(ids), self._tensor(positions), meta, self._tensor(logit_rows)
+
+    def _recurrent(self, inputs: Seq[StepInput]) -> RecurrentMetadata:
+        """Each sequence's state slot for the recurrent layers: single-token inputs as one batched
+        update (prepare's decode rule), the others one chunk scan each; a chunk at position 0
+        starts from zero state (a new or recomputed sequence)."""
+        seqs: list[SeqState] = []
+        rows, slots, has_state = [], [], []
+        q_start = 0
+        for inp in inputs:
+            if inp.state_slot is None or not 0 <= inp.state_slot < self.state_cache.num_slots:
+                raise ValueError(f"a hybrid model's input needs a state slot in [0, {self.state_cache.num_slots}), "
+                                 f"got {inp.state_slot}")
+            n = len(inp.token_ids)
+            if n == 1 and self.stream_policies is None:
+                rows.append(q_start)
+                slots.append(inp.state_slot)
+                has_state.append(inp.start_pos > 0)
+            else:
+                seqs.append(SeqState(q_start, n, inp.state_slot, inp.start_pos > 0))
+            q_start += n
+        rec = RecurrentMetadata(self.state_cache, seqs)
+        if rows:
+            rec.decode_rows, rec.decode_slots = self._tensor(rows), self._tensor(slots)
+            rec.decode_has_state = torch.tensor(has_state, dtype=torch.bool, device=self.device)
+        return rec
 
     def _decode_batches(self, decodes: list[tuple[int, int, list[Seq[int]]]],
                         num_groups: int) -> list[DecodeBatch | None]:
@@ -207,7 +241,19 @@ class ModelRunner:
         return self.graphs.run(inputs)
 
     def _forward(self, inputs: Seq[StepInput], num_layers: int | None) -> torch.Tensor:
-        """The final hidden states [rows needing logits, hidden] of one forward pass."""
+        """The final hidden states [rows needing logits, hidden] of one forward pass. A pass of
+        several sequences that raises leaves the recurrent states it read as they were (the engine
+        reruns the step a sequence at a time, which must start from the same states)."""
+        if self.state_cache is None or len(inputs) == 1:  # (a lone sequence's failure ends its request)
+            return self._forward_pass(inputs, num_layers)
+        saved = self.state_cache.save([inp.state_slot for inp in inputs if inp.start_pos > 0])
+        try:
+            return self._forward_pass(inputs, num_layers)
+        except BaseException:
+            self.state_cache.restore(saved)
+            raise
+
+    def _forward_pass(self, inputs: Seq[StepInput], num_layers: int | None) -> torch.Tensor:
         input_ids, positions, meta, logit_rows = self.prepare(inputs)
         if self.stream_policies is not None:  # StreamingLLM owns pool writes and rotation
             meta.custom = PagedStreamingAttention(self.kv_cache, meta, positions, self.stream_policies, self._rotary)
@@ -256,6 +302,12 @@ class ModelRunner:
             kept_meta = AttentionMetadata(slot_mapping=kept_meta.slot_mapping, seqs=kept_meta.seqs,
                                           decode=kept_meta.decode, groups=metas)
         return KeptRows(logit_rows, kept_meta)
+
+    @torch.inference_mode()
+    def copy_states(self, pairs: Seq[tuple[int, int]]) -> None:
+        """Forks (n > 1): each child's state slot gets its parent's states, before the forward."""
+        if pairs and self.state_cache is not None:
+            self.state_cache.copy_slots(pairs)
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: Seq[tuple[int, int]], block_size: int) -> None:

@@ -76,6 +76,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)  # decodes first, then prefill chunks
     preempted: list[Sequence] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), copy before the pass
+    state_copies: list[tuple[int, int]] = field(default_factory=list)  # recurrent-state slots (forks), the same
     finished_with_error: list[Sequence] = field(default_factory=list)
     num_batched_tokens: int = 0
 
@@ -154,6 +155,10 @@ class Scheduler:
                         f"{bm.block_size} = {bm.num_blocks * bm.block_size} tokens)")
             return (f"{head} needing up to {need} KV blocks over {bm.num_groups} layer groups, more than the "
                     f"whole KV cache holds ({bm.num_blocks} blocks of {bm.block_size} tokens)")
+        samples = getattr(seq.params, "n", 1) or 1
+        if bm.state_slots is not None and samples > bm.state_slots.num_slots:
+            return (f"n = {samples} samples need {samples} recurrent state slots at once, more than the state "
+                    f"pool holds ({bm.state_slots.num_slots}, max_num_seqs)")
         if not self.enable_chunked_prefill and n > self.max_num_batched_tokens:
             return (f"prompt has {n} tokens, more than max_num_batched_tokens "
                     f"{self.max_num_batched_tokens} and chunked prefill is disabled")
@@ -224,6 +229,7 @@ class Scheduler:
 
         out.scheduled = decodes + prefills
         out.block_copies = self.bm.take_block_copies()
+        out.state_copies = self.bm.take_state_copies()
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
 

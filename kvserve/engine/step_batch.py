@@ -69,7 +69,8 @@ def build_batch(sched: SchedulerOutput, drafts: dict[int, Draft], now: float) ->
         needs_logits = item.needs_logits and seq.pooling is None  # an embedding samples nothing
         num_hidden = _hidden_rows(b, seq, start, start + known) if seq.wants_prompt_rows else 0
         b.inputs.append(StepInput(tokens, start, seq.block_table, needs_logits, max(1, item.num_logits),
-                                  group_tables=seq.group_block_tables, num_hidden=num_hidden))
+                                  group_tables=seq.group_block_tables, num_hidden=num_hidden,
+                                  state_slot=seq.state_slot))
         if seq.pooling is not None:
             continue
         if item.num_spec:
@@ -181,7 +182,8 @@ def execute_isolating(sched: SchedulerOutput, execute: Callable[[SchedulerOutput
     for i, item in enumerate(sched.scheduled):
         if item.seq.finished:
             continue  # its request failed with another of its sequences
-        alone = SchedulerOutput([item], block_copies=sched.block_copies if i == 0 else [])
+        alone = SchedulerOutput([item], block_copies=sched.block_copies if i == 0 else [],
+                                state_copies=sched.state_copies if i == 0 else [])
         try:
             execute(alone)
         except Exception as exc:

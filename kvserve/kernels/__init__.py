@@ -137,6 +137,7 @@ _SIGNATURES: dict[str, dict[str, tuple[list, object]]] = {
     "gelu": {"gelu_tanh_mul": ([_P, _P, _P, _I, _I, _L, _I], None),  # Gemma's MLP activation
              "silu_mul": ([_P, _P, _P, _I, _I, _L, _I], None)},  # Llama's
     "decode_step": {"decode_layers": ([_P, _P, _P, _I, _P], ctypes.c_int)},  # accel/decode_plan.py
+    "ssm_decode": {"ssm_decode": ([_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I], None)},  # Mamba2
     "panel_gemm": {"panel_width": ([], ctypes.c_int),  # fp32 decode-step matmuls on packed weights
                    "pack_panels": ([_P, _P, _I, _I, _I], None),
                    "panel_gemm": ([_P, _P, _P, _I, _I, _I, _I], None)},
@@ -398,6 +399,30 @@ def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
     """silu(gate) * up (Llama's MLP), see `_gated_act`."""
     return _gated_act("silu_mul", gate, up)
+
+
+def ssm_decode(pool: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor,
+               A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor) -> torch.Tensor | None:
+    """One decode token of Mamba2's SSM (kernels/ssm_decode.c): pool [slots, H, P, N] updated in
+    place at `slots` [Bn] (from zeros where has_state [Bn] is False), x [Bn, H, P], dt [Bn, H]
+    (after softplus), A, D [H], B and C [Bn, H, N] -> y [Bn, H, P] (without the gate); all fp32 on
+    the CPU. None where the kernel does not apply (then nothing was written)."""
+    if not _f32_cpu(pool, x, dt, A, B, C, D) or not pool.is_contiguous() or pool.dim() != 4:
+        return None
+    lib = kernel_lib("ssm_decode")
+    if lib is None:
+        return None
+    n_seq, H, P = x.shape
+    N = pool.shape[3]
+    if pool.shape[1:] != (H, P, N) or B.shape != (n_seq, H, N) or C.shape != (n_seq, H, N):
+        return None
+    x, dt, A, B, C, D = (t.contiguous() for t in (x, dt, A, B, C, D))
+    slots = slots.to(torch.int64).contiguous()
+    has = has_state.to(torch.uint8).contiguous()
+    y = torch.empty_like(x)
+    lib.ssm_decode(pool.data_ptr(), slots.data_ptr(), has.data_ptr(), x.data_ptr(), dt.data_ptr(), A.data_ptr(),
+                   B.data_ptr(), C.data_ptr(), D.data_ptr(), y.data_ptr(), n_seq, H, P, N, torch.get_num_threads())
+    return y
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:

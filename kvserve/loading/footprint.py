@@ -24,9 +24,11 @@ import torch
 
 from kvserve.loading.errors import ModelLoadError
 from kvserve.loading.hf import read_hf_config
-from kvserve.loading.loader import AUTO, keeps_16bit, resolve_dtype
+from kvserve.loading.loader import AUTO, compute_dtype, keeps_16bit, resolve_dtype
 from kvserve.loading.quantized import read_quantization_config
 from kvserve.loading.sparse_nm import read_sparsity_config
+from kvserve.model.config import ModelConfig
+from kvserve.model.state_cache import StateCache
 from kvserve.weights.quantize import ENGINE_INT4_GROUPS
 
 _SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
@@ -38,6 +40,27 @@ def file_tensors(path: Path) -> tuple[int, int]:
     from the headers alone."""
     tensors = tensor_list(path)
     return sum(math.prod(shape) for _, shape, _ in tensors), sum(b for _, _, b in tensors)
+
+
+def state_pool_bytes(mc: ModelConfig, num_slots: int, dtype: torch.dtype) -> int:
+    """The recurrent state pool of a hybrid model (kvserve/model/state_cache.py): `num_slots`
+    sequences' conv states in `dtype` and SSM states in fp32, over every Mamba layer; 0 without."""
+    if not mc.is_hybrid:
+        return 0
+    conv, ssm = mc.state_elements_per_layer()
+    return num_slots * StateCache.bytes_per_slot(len(mc.mamba_layers), conv, ssm, dtype)
+
+
+def state_pool_footprint(path: Path, num_slots: int, dtype: torch.dtype | str, device: str = "cpu") -> int:
+    """`state_pool_bytes` of the HF folder at `path` (0 for anything else, or a config the load
+    will refuse with its own message)."""
+    if not path.is_dir() or not (path / "config.json").is_file():
+        return 0
+    try:
+        mc = read_hf_config(path)
+    except ModelLoadError:
+        return 0
+    return state_pool_bytes(mc, num_slots, compute_dtype(dtype, device))
 
 
 def tensor_list(path: Path) -> list[tuple[str, tuple[int, ...], int]]:

@@ -8,9 +8,9 @@ import torch
 
 from kvserve.loading.errors import ModelLoadError
 from kvserve.loading.tensors import TensorFiles
-from kvserve.model.config import FULL, SLIDING, ModelConfig, RopeConfig
+from kvserve.model.config import FULL, MAMBA, SLIDING, ModelConfig, RopeConfig
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "deepseek_v2", "deepseek_v3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "deepseek_v2", "deepseek_v3", "bamba")
 MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 
 
@@ -115,6 +115,61 @@ def _mla_fields(c: dict, cfg_path: Path, model_type: str, n_layers: int) -> dict
                 qkv_bias=bool(c.get("attention_bias", False)), o_bias=bool(c.get("attention_bias", False)))
 
 
+def _json_float(v) -> float | None:
+    """A number of config.json; transformers writes infinities as {"__float__": "Infinity"}."""
+    if isinstance(v, dict) and "__float__" in v:
+        v = v["__float__"]
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def _bamba_fields(c: dict, cfg_path: Path, n_layers: int) -> dict:
+    """ModelConfig overrides of a Bamba config: Mamba2 layers everywhere but `attn_layer_indices`
+    (the layers `layers_block_type` calls "mamba" / "linear_attention" and "attention" /
+    "full_attention"), half-rotary attention. What the mixer here does not compute is refused by
+    name: a time-step clamp (`time_step_limit` other than (0, inf)), MoE feed-forwards."""
+    attn = c.get("attn_layer_indices") or []
+    if not isinstance(attn, list) or not all(isinstance(i, int) and 0 <= i < n_layers for i in attn):
+        raise ModelLoadError(cfg_path, f"attn_layer_indices must be a list of layer indices below "
+                                       f"num_hidden_layers ({n_layers}), got {attn!r}")
+    declared = c.get("layers_block_type") or c.get("layer_types")
+    known = {"mamba": MAMBA, "linear_attention": MAMBA, "attention": FULL, "full_attention": FULL}
+    if declared is not None:
+        if not isinstance(declared, list) or len(declared) != n_layers:
+            raise ModelLoadError(cfg_path, f"layers_block_type must list {n_layers} layer types, got {declared!r}")
+        bad = [t for t in declared if t not in known]
+        if bad:
+            raise ModelLoadError(cfg_path, f"layers_block_type entry {bad[0]!r} is not supported "
+                                           f"(supported: {', '.join(known)})")
+        layer_types = [known[t] for t in declared]
+    else:
+        layer_types = [FULL if i in attn else MAMBA for i in range(n_layers)]
+    limit = c.get("time_step_limit")
+    if limit is not None and (not isinstance(limit, list) or [_json_float(v) for v in limit] != [0.0, float("inf")]):
+        raise ModelLoadError(cfg_path, f"time_step_limit {limit!r} is not supported (only (0.0, inf): no clamp "
+                                       f"of the time step)")
+    if c.get("num_experts") not in (None, 1):
+        raise ModelLoadError(cfg_path, f"num_experts {c['num_experts']!r} is not supported (dense MLPs only)")
+    hidden, heads = int(c["hidden_size"]), int(c["mamba_n_heads"])
+    expand = int(c.get("mamba_expand", 2))
+    d_head = c.get("mamba_d_head", "auto")
+    d_head = expand * hidden // heads if d_head in (None, "auto") else int(d_head)
+    if d_head * heads != expand * hidden:
+        raise ModelLoadError(cfg_path, f"mamba_d_head ({d_head}) x mamba_n_heads ({heads}) must equal "
+                                       f"mamba_expand x hidden_size ({expand * hidden})")
+    rp = c.get("rope_parameters") if isinstance(c.get("rope_parameters"), dict) else {}
+    return dict(family="bamba", layer_types=layer_types,
+                partial_rotary_factor=float(rp.get("partial_rotary_factor", c.get("partial_rotary_factor", 0.5))),
+                mamba_n_heads=heads, mamba_head_dim=d_head, mamba_n_groups=int(c.get("mamba_n_groups", 1)),
+                mamba_d_state=int(c["mamba_d_state"]), mamba_d_conv=int(c.get("mamba_d_conv", 4)),
+                mamba_chunk_size=int(c.get("mamba_chunk_size", 256)),
+                mamba_conv_bias=bool(c.get("mamba_conv_bias", True)),
+                mamba_proj_bias=bool(c.get("mamba_proj_bias", False)),
+                qkv_bias=bool(c.get("attention_bias", False)), o_bias=bool(c.get("attention_bias", False)))
+
+
 def _kv_source(c: dict, cfg_path: Path) -> tuple[int, ...] | None:
     """kvserve's cross-layer KV sharing (`kvserve convert --share-kv-every`): per layer, the layer
     whose K/V it attends over."""
@@ -145,6 +200,9 @@ def read_hf_config(folder: Path) -> ModelConfig:
         eos = _as_list(read_json(gen).get("eos_token_id")) if gen.exists() else []
         sliding = c.get("sliding_window") if SLIDING in layer_types else None
         mla = _mla_fields(c, cfg_path, model_type, n_layers) if model_type in MLA_MODEL_TYPES else {}
+        if model_type == "bamba":
+            mla = _bamba_fields(c, cfg_path, n_layers)
+            layer_types = mla["layer_types"]
         return ModelConfig(**{**dict(
             family="gemma3" if gemma else "llama",
             model_type=model_type,
@@ -202,6 +260,8 @@ def hf_tensor_files(folder: Path, cfg: ModelConfig) -> TensorFiles:
     read one at a time."""
     def rename(key: str) -> str | None:
         name = key.removeprefix("model.")
+        if cfg.family == "bamba" and name.startswith("final_layernorm."):
+            name = "norm." + name.removeprefix("final_layernorm.")
         return None if name == "lm_head.weight" and cfg.tie_word_embeddings else name
 
     return TensorFiles(safetensors_files(folder), rename)

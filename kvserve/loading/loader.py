@@ -132,7 +132,7 @@ def check_tensors(model: torch.nn.Module, shapes: dict[str, tuple[int, ...]], so
 def finish_model(model: CausalLM, cfg: ModelConfig, device: torch.device | str) -> CausalLM:
     """A model whose tensors are all placed: its non-persistent buffers (not in the state dict)
     built for real, in eval mode."""
-    model.rotary = torch.nn.ModuleDict({t: RotaryEmbedding(r, cfg.head_dim) for t, r in cfg.rope.items()}).to(device)
+    model.rotary = torch.nn.ModuleDict({t: RotaryEmbedding(r, cfg.rotary_dim) for t, r in cfg.rope.items()}).to(device)
     return model.eval()
 
 

@@ -23,6 +23,7 @@ from kvserve.kernels import (
 from kvserve.kernels.host_memory import empty_huge
 from kvserve.model.config import ModelConfig
 from kvserve.model.layers import PackedMatmul, RMSNorm, apply_rope
+from kvserve.model.state_cache import RecurrentMetadata
 
 # KV-cache storage formats besides the model's dtype: codes plus one fp32 scale per (token, KV
 # head), absmax / qmax, so attention dequantizes on read (the max a code may take).
@@ -42,6 +43,8 @@ class KVCache:
 
     `kv_source` (cross-layer KV sharing, ModelConfig.kv_source): only the layers that compute
     K/V have storage; a layer reusing another's is an alias of its source (`layer`, `read`).
+    `kv_layers` (default: every layer) names the layers with K/V at all: a hybrid model's Mamba
+    layers keep a recurrent state instead (kvserve/model/mamba.py: StateCache).
 
     `v_head_dim` (default head_dim) sets V's width apart: MLA (kvserve/model/mla.py) keeps its
     latent and RoPE key in K and passes 0, a V of no width.
@@ -63,12 +66,15 @@ class KVCache:
         kv_dtype: str = "auto",
         v_head_dim: int | None = None,
         kv_source: Sequence[int] | None = None,
+        kv_layers: Sequence[int] | None = None,
     ):
         if kv_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_dtype!r}")
         # Cross-layer KV sharing: only layers i with kv_source[i] == i store K/V; the others alias them.
         source = list(range(num_layers)) if kv_source is None else list(kv_source)[:num_layers]
         stored = [i for i, s in enumerate(source) if s == i]
+        if kv_layers is not None:  # a hybrid model's Mamba layers store no K/V (ModelConfig.kv_layers)
+            stored = [i for i in stored if i in set(kv_layers)]
         groups = [stored] if layer_groups is None else [list(g) for g in layer_groups]
         size = len(groups[0])
         if any(len(g) != size for g in groups) or sorted(i for g in groups for i in g) != stored:
@@ -269,6 +275,8 @@ class AttentionMetadata:
     # Cross-layer KV sharing with `custom`: a source layer's pre-RoPE (k, v) of this forward pass,
     # by layer, for the layers that reuse them (the paged path reads them from the pool instead).
     shared_kv: dict = field(default_factory=dict)
+    # A hybrid model's recurrent layers: each sequence's state slot (kvserve/model/state_cache.py).
+    recurrent: RecurrentMetadata | None = None
 
     def for_group(self, group: int) -> "AttentionMetadata":
         return self.groups[group] if self.groups else self
@@ -304,6 +312,8 @@ class Attention(nn.Module):
         self.computes_kv = self.kv_source == layer
         self.shares_kv = cfg.kv_source is not None and any(
             s == layer and i != layer for i, s in enumerate(cfg.kv_source))
+        # RoPE on part of each head (Bamba): the fused C / Triton prologues rotate whole heads.
+        self.partial_rotary = cfg.rotary_dim < cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, q_size, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias) if self.computes_kv else None
@@ -336,7 +346,7 @@ class Attention(nn.Module):
             return self._traced_forward(x, cos_sin)
         T = x.shape[0]
         q, k, v = self._project(x)
-        if meta.custom is None:
+        if meta.custom is None and not self.partial_rotary:
             group = kv_cache.group_of(self.kv_source)
             rotated = self._fused_prologue(q, k, v, cos_sin, kv_cache, meta.for_group(group))
             if rotated is not None:

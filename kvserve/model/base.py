@@ -29,7 +29,7 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=self.gemma_norm)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # One rotary table per layer type (Gemma 3: 10k base for local layers, 1M for global).
-        self.rotary = nn.ModuleDict({t: RotaryEmbedding(r, cfg.head_dim) for t, r in cfg.rope.items()})
+        self.rotary = nn.ModuleDict({t: RotaryEmbedding(r, cfg.rotary_dim) for t, r in cfg.rope.items()})
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -65,7 +65,7 @@ class CausalLM(nn.Module):
         cos_sin = self.rope_tables(positions, h.dtype)
         layers = self.layers[:num_layers]
         for i, layer in enumerate(layers):
-            cs = cos_sin[self.config.layer_types[i]]
+            cs = cos_sin.get(self.config.layer_types[i])  # None for a Mamba layer (no rotary)
             if keep is not None and i == len(layers) - 1 and getattr(layer, "takes_kept_rows", False):
                 h = layer(h, cs, kv_cache, meta, keep=keep)
                 if h.shape[0] == 0:
@@ -88,7 +88,7 @@ class CausalLM(nn.Module):
         h = self.embed(input_ids)
         cos_sin = self.rope_tables(positions, h.dtype)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos_sin[self.config.layer_types[i]], None, None)
+            h = layer(h, cos_sin.get(self.config.layer_types[i]), None, None)
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
+MAMBA = "mamba"  # a Mamba2 mixer (kvserve/model/mamba.py): a recurrent state per sequence, no K/V
+ATTENTION_TYPES = (FULL, SLIDING)
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,19 @@ class ModelConfig:
     # attends over (i itself when it computes its own). A reusing layer has no k_proj / v_proj and
     # the pool holds no K/V for it. None: every layer computes its own.
     kv_source: tuple[int, ...] | None = None
+    # RoPE on the first partial_rotary_factor of each head's dims, the rest passed through (Bamba: 0.5).
+    partial_rotary_factor: float = 1.0
+    # Mamba2 mixer layers (layer type MAMBA; Bamba, kvserve/model/bamba.py): mamba_n_heads heads of
+    # mamba_head_dim channels (intermediate = their product), B and C in mamba_n_groups groups of
+    # mamba_d_state, a causal depthwise conv of mamba_d_conv taps over x, B and C.
+    mamba_n_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_n_groups: int = 1
+    mamba_d_state: int = 0
+    mamba_d_conv: int = 0
+    mamba_chunk_size: int = 256
+    mamba_conv_bias: bool = True
+    mamba_proj_bias: bool = False
 
     def __post_init__(self) -> None:
         if len(self.layer_types) != self.num_layers:
@@ -78,8 +93,16 @@ class ModelConfig:
                 f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers"
             )
         for t in self.layer_types:
-            if t not in (FULL, SLIDING):
+            if t not in (*ATTENTION_TYPES, MAMBA):
                 raise ValueError(f"unknown layer type {t!r}")
+            if t == MAMBA:
+                if min(self.mamba_n_heads, self.mamba_head_dim, self.mamba_d_state, self.mamba_d_conv) < 1:
+                    raise ValueError("mamba layers need mamba_n_heads, mamba_head_dim, mamba_d_state and "
+                                     "mamba_d_conv >= 1")
+                if self.mamba_n_groups < 1 or self.mamba_n_heads % self.mamba_n_groups:
+                    raise ValueError(f"mamba_n_heads ({self.mamba_n_heads}) is not a multiple of "
+                                     f"mamba_n_groups ({self.mamba_n_groups})")
+                continue
             if t not in self.rope:
                 raise ValueError(f"no rope parameters for layer type {t!r}")
         if SLIDING in self.layer_types and not self.sliding_window:
@@ -107,13 +130,46 @@ class ModelConfig:
                                  f"of layer {s} ({self.layer_types[s]}): sharing needs the same attention type")
 
     def computes_kv(self, layer: int) -> bool:
-        """Whether the layer projects its own K/V (False: it reuses kv_source[layer]'s)."""
+        """Whether the layer projects its own K/V (False: it reuses kv_source[layer]'s, or it is a
+        Mamba layer, which keeps a recurrent state instead)."""
+        if self.layer_types[layer] == MAMBA:
+            return False
         return self.kv_source is None or self.kv_source[layer] == layer
 
     @property
     def kv_layers(self) -> tuple[int, ...]:
-        """The layers whose K/V the pool stores (all of them without cross-layer sharing)."""
+        """The layers whose K/V the pool stores (every attention layer without cross-layer sharing)."""
         return tuple(i for i in range(self.num_layers) if self.computes_kv(i))
+
+    @property
+    def mamba_layers(self) -> tuple[int, ...]:
+        """The layers with a recurrent state (Mamba2 mixers) instead of K/V."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == MAMBA)
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Some layers keep a per-sequence recurrent state (the engine's state pool serves them)."""
+        return bool(self.mamba_layers)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head that RoPE rotates (the first ones); the rest pass through."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def mamba_intermediate(self) -> int:
+        return self.mamba_n_heads * self.mamba_head_dim
+
+    @property
+    def mamba_conv_dim(self) -> int:
+        """Channels of the causal conv: x, then B and C."""
+        return self.mamba_intermediate + 2 * self.mamba_n_groups * self.mamba_d_state
+
+    def state_elements_per_layer(self) -> tuple[int, int]:
+        """(conv state, SSM state) elements of one sequence in one Mamba layer: the conv keeps
+        the last d_conv - 1 inputs of every channel, the SSM a [heads, head_dim, d_state] state."""
+        return (self.mamba_conv_dim * (self.mamba_d_conv - 1),
+                self.mamba_n_heads * self.mamba_head_dim * self.mamba_d_state)
 
     @property
     def mla(self) -> bool:
@@ -144,13 +200,24 @@ class ModelConfig:
                 self.qk_nope_head_dim + self.v_head_dim)
             per_layer = q_params + kv_params + h * self.v_head_dim * d + 3 * d * f
         head = 0 if self.tie_word_embeddings else v * d
-        reusers = self.num_layers - len(self.kv_layers)  # no k_proj / v_proj (CLA)
-        return v * d + head + self.num_layers * per_layer - reusers * 2 * d * kv
+        attn_layers = self.num_layers - len(self.mamba_layers)
+        reusers = attn_layers - len(self.kv_layers)  # no k_proj / v_proj (CLA)
+        total = v * d + head + attn_layers * per_layer - reusers * 2 * d * kv
+        if self.mamba_layers:  # in_proj, conv, dt_bias / A_log / D, gated norm, out_proj; and the MLP
+            inner, conv, h = self.mamba_intermediate, self.mamba_conv_dim, self.mamba_n_heads
+            mixer = d * (inner + conv + h) + conv * (self.mamba_d_conv + 1) + 3 * h + inner + inner * d
+            total += len(self.mamba_layers) * (mixer + 3 * d * f)
+        return total
 
     def kv_bytes_per_token(self, bytes_per_element: int = 4) -> int:
         """K and V for one token in every layer that stores them (no sliding-window savings)."""
         heads, k_dim, v_dim = self.kv_cache_layout
         return len(self.kv_layers) * heads * (k_dim + v_dim) * bytes_per_element
+
+    def state_bytes_per_seq(self, conv_bytes_per_element: int = 4, ssm_bytes_per_element: int = 4) -> int:
+        """Recurrent state of one sequence over every Mamba layer: flat in its length."""
+        conv, ssm = self.state_elements_per_layer()
+        return len(self.mamba_layers) * (conv * conv_bytes_per_element + ssm * ssm_bytes_per_element)
 
 
 @dataclass(frozen=True)

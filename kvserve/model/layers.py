@@ -148,7 +148,11 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim]; cos, sin [T, head_dim]."""
+    """x [T, heads, head_dim]; cos, sin [T, rotary_dim]: the first rotary_dim dims of each head
+    are rotated, the rest (partial rotary, rotary_dim < head_dim) pass through."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
     cos, sin = cos[:, None, :], sin[:, None, :]
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -6,6 +6,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from kvserve.model.bamba import BambaForCausalLM
 from kvserve.model.base import CausalLM
 from kvserve.model.config import ModelConfig
 from kvserve.model.deepseek import DeepseekForCausalLM
@@ -13,6 +14,7 @@ from kvserve.model.gemma3 import Gemma3ForCausalLM
 from kvserve.model.llama import LlamaForCausalLM
 
 _FAMILIES: dict[str, type[CausalLM]] = {
+    "bamba": BambaForCausalLM,
     "deepseek": DeepseekForCausalLM,
     "gemma3": Gemma3ForCausalLM,
     "llama": LlamaForCausalLM,

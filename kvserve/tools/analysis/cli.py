@@ -29,7 +29,8 @@ def add_roofline_parser(sub) -> None:
     p.add_argument("--measure", action="store_true",
                    help="use this machine instead: CPU matmul FLOP/s and read bandwidth measured (a few seconds)")
     p.add_argument("--model", default=None,
-                   help="preset (llama-2-7b, llama-2-13b, llama-2-70b, llama-3-8b, gemma-3-270m, deepseek-v2-lite), "
+                   help="preset (llama-2-7b, llama-2-13b, llama-2-70b, llama-3-8b, gemma-3-270m, deepseek-v2-lite, "
+                        "bamba-9b), "
                         "HF config.json or its folder, or a .gguf (default: bundled Gemma 3 270M)")
     p.add_argument("--seq-len", type=positive_int, default=1024, help="tokens per sequence S (KV size, decode context)")
     p.add_argument("--prompt-len", type=positive_int, default=None, help="prefill tokens T (default: --seq-len)")
@@ -92,6 +93,7 @@ def analyze(model: rl.ModelShape, hw: rl.Hardware, seq_len: int, prompt_len: int
         "weight_bytes": rl.weight_memory(model),
         "kv_bytes_per_token": rl.kv_bytes_per_token(model),
         "kv_bytes_per_sequence": rl.kv_bytes_per_sequence(model, seq_len),
+        "state_bytes_per_sequence": rl.state_bytes_per_sequence(model),
         "max_batch": top,
         "ops": {col: {"ops": [{"name": op.name, "flops": op.flops, "bytes": op.bytes, "intensity": op.intensity,
                                "bound": op.bound(hw)} for op in ops], "step_time_s": rl.step_time(ops, hw)}
@@ -117,6 +119,12 @@ def _count(x: float) -> str:
     return f"{x / 1e9:.2f} B" if x >= 1e9 else f"{x / 1e6:.1f} M"
 
 
+def _attention_layers(m: dict) -> str:
+    """"32 layers", or for a hybrid "3 of 32 layers (29 Mamba2)"."""
+    mamba = m.get("mamba_layers", 0)
+    return f"{m['layers']} layers" if not mamba else f"{m['layers'] - mamba} of {m['layers']} layers ({mamba} Mamba2)"
+
+
 def render(r: dict) -> str:
     """The readable tables."""
     hw, m, s = r["hardware"], r["model"], r["seq_len"]
@@ -133,10 +141,13 @@ def render(r: dict) -> str:
         f"| parameters | {r['params']:,} ({_count(r['params'])})"
         + (f", {_count(r['active_params'])} active per token |" if r["active_params"] != r["params"] else " |"),
         f"| weights | {_si(r['weight_bytes'], 'B')} |",
-        f"| attention | {m['attention']}, {m['layers']} layers, {m['heads']} heads x {m['head_dim']} |",
+        f"| attention | {m['attention']}, {_attention_layers(m)}, {m['heads']} heads x {m['head_dim']} |",
         f"| KV bytes per token | {r['kv_bytes_per_token']:,.0f} |",
         f"| KV bytes per sequence (S = {s}{kv_note}) | {r['kv_bytes_per_sequence']:,.0f} "
         f"({_si(r['kv_bytes_per_sequence'], 'B')}) |",
+        *([f"| recurrent state per sequence ({m['mamba_layers']} Mamba layers, any S) | "
+           f"{r['state_bytes_per_sequence']:,.0f} ({_si(r['state_bytes_per_sequence'], 'B')}) |"]
+          if r.get("state_bytes_per_sequence") else []),
         f"| max batch that fits in {_si(hw['memory'], 'B')} | {r['max_batch']:,} |",
         "",
         f"Arithmetic intensity in FLOP/byte (compute-bound above {hw['intensity']:.3g}):",
@@ -149,7 +160,8 @@ def render(r: dict) -> str:
         cells = [f"{c['ops'][i]['intensity']:,.1f} ({c['ops'][i]['bound']})" for c in cols]
         lines.append(f"| {op['name']} | " + " | ".join(cells) + " |")
     lines.append("| step time | " + " | ".join(_time(c["step_time_s"]) for c in cols) + " |")
-    lines += ["", f"Decode at context {s} as the batch grows (memory = weights + batch x KV per sequence):", "",
+    per_seq = "(KV + recurrent state)" if r.get("state_bytes_per_sequence") else "KV"
+    lines += ["", f"Decode at context {s} as the batch grows (memory = weights + batch x {per_seq} per sequence):", "",
               "| batch | memory | fits | step (= time per token) | throughput | bound |", "|---|---|---|---|---|---|"]
     for p in r["sweep"]:
         lines.append(f"| {p['batch']:,} | {_si(p['memory'], 'B')} | {'yes' if p['fits'] else 'OOM'} | "

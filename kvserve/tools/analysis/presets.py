@@ -40,6 +40,11 @@ MODELS: dict[str, ModelShape] = {m.name: m for m in (
                norms_per_layer=4, qk_norm=True),
     # MLA (d_c = 512, d_rope = 64, 128-wide heads) and MoE (64 routed experts of 1408, 6 per token,
     # 2 shared; layer 0 dense): 15.7B parameters, 2.4B active.
+    # Bamba-9B: 32 layers, attention at 9, 18 and 27 (GQA, 8 KV heads), Mamba2 elsewhere (128 heads
+    # of 64, one group, d_state 128, conv 4); its recurrent state is flat in the sequence length.
+    ModelShape("bamba-9b", layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128,
+               vocab=128256, mamba_layers=29, mamba_heads=128, mamba_head_dim=64, mamba_groups=1, mamba_state=128,
+               mamba_conv=4),
     ModelShape("deepseek-v2-lite", layers=27, hidden=2048, intermediate=10944, heads=16, kv_heads=16,
                head_dim=128, vocab=102400, kv_latent=512, rope_dim=64, experts=64, experts_per_token=6,
                shared_experts=2, expert_intermediate=1408, dense_layers=1),
@@ -74,7 +79,9 @@ def shape_from_hf_config(c: dict, name: str) -> ModelShape:
         head_dim = int(c.get("qk_nope_head_dim") if kv_latent else c.get("head_dim") or hidden // heads)
         n_sliding = layer_types_of(c, model_type, layers).count(SLIDING)
         experts = int(c.get("n_routed_experts") or c.get("num_local_experts") or c.get("num_experts") or 0)
-        return ModelShape(
+        if experts == 1:  # Bamba's num_experts 1: one dense MLP
+            experts = 0
+        return ModelShape(**_mamba_fields(c, model_type, layers, hidden, heads),
             name=name, layers=layers, hidden=hidden, intermediate=int(c["intermediate_size"]), heads=heads,
             kv_heads=int(c.get("num_key_value_heads") or heads), head_dim=head_dim, vocab=int(c["vocab_size"]),
             tied_embeddings=bool(c.get("tie_word_embeddings", gemma)),
@@ -95,6 +102,19 @@ def shape_from_hf_config(c: dict, name: str) -> ModelShape:
         raise ValueError(f"{name}: invalid config value ({e})") from None
 
 
+def _mamba_fields(c: dict, model_type: str, layers: int, hidden: int, heads: int) -> dict:
+    """A Bamba config's Mamba2 layers as ModelShape fields ({} for other models): every layer
+    but `attn_layer_indices` is a Mamba layer."""
+    if model_type != "bamba":
+        return {}
+    n_heads, expand = int(c.get("mamba_n_heads", 128)), int(c.get("mamba_expand", 2))
+    d_head = c.get("mamba_d_head", "auto")
+    return dict(mamba_layers=layers - len(c.get("attn_layer_indices") or []), mamba_heads=n_heads,
+                mamba_head_dim=expand * hidden // n_heads if d_head in (None, "auto") else int(d_head),
+                mamba_groups=int(c.get("mamba_n_groups", 1)), mamba_state=int(c.get("mamba_d_state", 256)),
+                mamba_conv=int(c.get("mamba_d_conv", 4)))
+
+
 def shape_from_model_config(cfg, name: str) -> ModelShape:
     """A kvserve.model.config.ModelConfig (what the loaders produce) as a ModelShape."""
     n_sliding = cfg.layer_types.count(SLIDING)
@@ -104,6 +124,8 @@ def shape_from_model_config(cfg, name: str) -> ModelShape:
         tied_embeddings=cfg.tie_word_embeddings, sliding_window=cfg.sliding_window if n_sliding else None,
         sliding_layers=n_sliding, norms_per_layer=4 if cfg.family == "gemma3" else 2, qk_norm=cfg.qk_norm,
         kv_share=_kv_share(cfg.kv_source),
+        mamba_layers=len(cfg.mamba_layers), mamba_heads=cfg.mamba_n_heads, mamba_head_dim=cfg.mamba_head_dim,
+        mamba_groups=cfg.mamba_n_groups, mamba_state=cfg.mamba_d_state, mamba_conv=cfg.mamba_d_conv or 4,
     )
 
 

@@ -7,7 +7,8 @@ A step runs `batch` sequences, each with `new_tokens` (T) query tokens attending
 `[M, K] x [K, N]` costs 2MKN FLOPs and moves (MK + KN + MN) elements; attention per sequence
 moves Q, K, V and the output once. An operation's time is the roofline
 max(FLOPs / peak, bytes / bandwidth); a step's time is the sum over operations. Memory is the
-weights plus the KV cache of every sequence at length S (activations are ignored).
+weights plus the KV cache of every sequence at length S (activations are ignored), plus for
+a hybrid model the recurrent state of its Mamba layers, which is the same at every length.
 """
 from __future__ import annotations
 
@@ -72,6 +73,18 @@ class ModelShape:
     # sliding) use the first one's K/V, so ceil(n / kv_share) of each type's n layers cache K/V and
     # project K/V (kvserve convert --share-kv-every). Every layer still reads a cache in attention.
     kv_share: int = 1
+    # Hybrid models (Bamba): `mamba_layers` of the layers have a Mamba2 mixer instead of attention
+    # (and keep their MLP): mamba_heads heads of mamba_head_dim, B and C in mamba_groups groups of
+    # mamba_state, a causal conv of mamba_conv taps over x, B and C. Per sequence such a layer
+    # keeps a conv state (mamba_conv - 1 inputs of every conv channel, at weight_bytes each) and an
+    # SSM state [heads, head_dim, state] at `state_bytes` (fp32 in kvserve): flat in the length.
+    mamba_layers: int = 0
+    mamba_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_groups: int = 1
+    mamba_state: int = 0
+    mamba_conv: int = 4
+    state_bytes: float = 4.0
 
     def __post_init__(self) -> None:
         for f in ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab"):
@@ -87,6 +100,12 @@ class ModelShape:
             raise ValueError(f"{self.name}: experts_per_token must be in 1..experts")
         if self.kv_share < 1 or (self.kv_share > 1 and self.mla):
             raise ValueError(f"{self.name}: kv_share must be >= 1 (and 1 for MLA), got {self.kv_share}")
+        if self.mamba_layers:
+            if not 0 < self.mamba_layers <= self.layers - self.sliding_layers or self.mla:
+                raise ValueError(f"{self.name}: mamba_layers must be in 1..layers - sliding_layers (and no MLA)")
+            if min(self.mamba_heads, self.mamba_head_dim, self.mamba_state, self.mamba_conv, self.mamba_groups) < 1:
+                raise ValueError(f"{self.name}: Mamba layers need mamba_heads, mamba_head_dim, mamba_state, "
+                                 f"mamba_conv and mamba_groups >= 1")
 
     @property
     def mla(self) -> bool:
@@ -101,9 +120,23 @@ class ModelShape:
         return self.layers - self.dense_layers if self.experts else 0
 
     @property
+    def attention_layers(self) -> int:
+        """Layers with attention (all but the Mamba layers of a hybrid)."""
+        return self.layers - self.mamba_layers
+
+    @property
     def kv_layers(self) -> int:
-        """Layers that cache (and project) K/V: all of them unless kv_share > 1."""
-        return sum(_shared(self, n) for n in (self.layers - self.sliding_layers, self.sliding_layers))
+        """Layers that cache (and project) K/V: every attention layer unless kv_share > 1."""
+        return sum(_shared(self, n) for n in (self.attention_layers - self.sliding_layers, self.sliding_layers))
+
+    @property
+    def mamba_inner(self) -> int:
+        return self.mamba_heads * self.mamba_head_dim
+
+    @property
+    def mamba_conv_dim(self) -> int:
+        """Channels of the causal conv: x, then B and C."""
+        return self.mamba_inner + 2 * self.mamba_groups * self.mamba_state
 
 
 def _shared(m: ModelShape, n: int) -> int:
@@ -128,6 +161,13 @@ def _expert_params(m: ModelShape) -> int:
     return m.mlp_matrices * m.hidden * m.expert_intermediate
 
 
+def mamba_params(m: ModelShape) -> int:
+    """Weights of one Mamba2 mixer: in_proj (gate, conv input, dt), the depthwise conv and its
+    bias, dt_bias / A_log / D per head, the gated norm, out_proj."""
+    d, inner, conv, h = m.hidden, m.mamba_inner, m.mamba_conv_dim, m.mamba_heads
+    return d * (inner + conv + h) + conv * (m.mamba_conv + 1) + 3 * h + inner + inner * d
+
+
 def num_params(m: ModelShape, active: bool = False) -> int:
     """All parameters (norms included); with `active`, only the experts one token uses."""
     dense_mlp = m.mlp_matrices * m.hidden * m.intermediate
@@ -138,9 +178,11 @@ def num_params(m: ModelShape, active: bool = False) -> int:
     per_layer = attention_params(m) + norms
     embeddings = m.vocab * m.hidden * (1 if m.tied_embeddings else 2)
     # a layer reusing another's K/V has no k/v projections (nor a key norm)
-    no_kv = (m.layers - m.kv_layers) * (2 * m.hidden * m.kv_heads * m.head_dim + (m.head_dim if m.qk_norm else 0))
-    return (m.layers * per_layer - no_kv + (m.layers - m.moe_layers) * dense_mlp + m.moe_layers * moe_mlp
-            + embeddings + m.hidden)
+    no_kv = (m.attention_layers - m.kv_layers) * (2 * m.hidden * m.kv_heads * m.head_dim
+                                                  + (m.head_dim if m.qk_norm else 0))
+    mixers = m.mamba_layers * (mamba_params(m) + norms) if m.mamba_layers else 0
+    return (m.attention_layers * per_layer - no_kv + mixers + (m.layers - m.moe_layers) * dense_mlp
+            + m.moe_layers * moe_mlp + embeddings + m.hidden)
 
 
 def weight_memory(m: ModelShape) -> float:
@@ -161,7 +203,7 @@ def kv_bytes_per_token(m: ModelShape) -> float:
 def _layer_contexts(m: ModelShape, context: int) -> list[tuple[int, int]]:
     """(number of layers, tokens cached) groups: full-attention layers keep all `context`
     tokens, sliding layers at most the window."""
-    groups = [(m.layers - m.sliding_layers, context)]
+    groups = [(m.attention_layers - m.sliding_layers, context)]
     if m.sliding_layers:
         groups.append((m.sliding_layers, min(context, m.sliding_window)))
     return [(n, s) for n, s in groups if n]
@@ -174,15 +216,31 @@ def kv_bytes_per_sequence(m: ModelShape, seq_len: int) -> float:
     return sum(_shared(m, n) * s * per for n, s in _layer_contexts(m, seq_len))
 
 
+def state_bytes_per_sequence(m: ModelShape) -> float:
+    """Recurrent state of one sequence over the Mamba layers (0 without): conv state
+    (mamba_conv - 1) x conv channels at weight_bytes plus the SSM state heads x head_dim x state
+    at state_bytes, per layer, whatever the sequence's length."""
+    if not m.mamba_layers:
+        return 0.0
+    conv = m.mamba_conv_dim * (m.mamba_conv - 1) * m.weight_bytes
+    ssm = m.mamba_heads * m.mamba_head_dim * m.mamba_state * m.state_bytes
+    return m.mamba_layers * (conv + ssm)
+
+
+def cache_bytes_per_sequence(m: ModelShape, seq_len: int) -> float:
+    """What one sequence holds besides the weights: its KV cache and its recurrent state."""
+    return kv_bytes_per_sequence(m, seq_len) + state_bytes_per_sequence(m)
+
+
 def memory(m: ModelShape, batch: int, seq_len: int) -> float:
-    """Bytes to serve `batch` sequences of `seq_len` tokens: weights + KV cache."""
-    return weight_memory(m) + batch * kv_bytes_per_sequence(m, seq_len)
+    """Bytes to serve `batch` sequences of `seq_len` tokens: weights + KV cache (+ recurrent state)."""
+    return weight_memory(m) + batch * cache_bytes_per_sequence(m, seq_len)
 
 
 def max_batch(m: ModelShape, hw: Hardware, seq_len: int) -> int:
     """Largest batch whose memory fits in `hw` (0 when the weights alone do not fit)."""
     free = hw.memory - weight_memory(m)
-    return max(0, math.floor(free / kv_bytes_per_sequence(m, seq_len))) if free >= 0 else 0
+    return max(0, math.floor(free / cache_bytes_per_sequence(m, seq_len))) if free >= 0 else 0
 
 
 # --- operations --------------------------------------------------------------------------------
@@ -267,19 +325,32 @@ def step_costs(m: ModelShape, batch: int, new_tokens: int, context: int) -> list
             qkv = qkv + matmul("qkv_proj", tokens, m.q_latent, q_out, w)
     else:
         qkv = matmul("qkv_proj", tokens, d, (n + 2 * m.kv_heads) * h, w) * m.kv_layers
-        if m.kv_layers < m.layers:  # layers reusing K/V project queries only
-            qkv = qkv + matmul("qkv_proj", tokens, d, n * h, w) * (m.layers - m.kv_layers)
+        if m.kv_layers < m.attention_layers:  # layers reusing K/V project queries only
+            qkv = qkv + matmul("qkv_proj", tokens, d, n * h, w) * (m.attention_layers - m.kv_layers)
     dense_mlp = matmul("mlp", tokens, d, m.intermediate, w) * m.mlp_matrices
     mlp = dense_mlp * (m.layers - m.moe_layers)
     if m.moe_layers:
         mlp = mlp + _moe_mlp(m, tokens) * m.moe_layers
-    return [
+    ops = [
         qkv if not m.mla else qkv * m.layers,
         attention_core(m, batch, new_tokens, context),
-        matmul("out_proj", tokens, n * h, d, w) * m.layers,
+        matmul("out_proj", tokens, n * h, d, w) * m.attention_layers,
         mlp,
         matmul("lm_head", batch, d, m.vocab, w),
     ]
+    return ops + (mamba_costs(m, batch, new_tokens) if m.mamba_layers else [])
+
+
+def mamba_costs(m: ModelShape, batch: int, new_tokens: int) -> list[OpCost]:
+    """The Mamba layers of one step: their projections (in_proj, out_proj) and the scan. The scan
+    in its recurrent form costs ~6·heads·head_dim·state FLOPs per token (decay, input, readout)
+    and reads and writes each sequence's state once per step, whatever the context length."""
+    tokens, w = batch * new_tokens, m.weight_bytes
+    d, inner, conv = m.hidden, m.mamba_inner, m.mamba_conv_dim
+    proj = matmul("mamba_proj", tokens, d, inner + conv + m.mamba_heads, w) + matmul("mamba_proj", tokens, inner, d, w)
+    flops = 6 * tokens * m.mamba_heads * m.mamba_head_dim * m.mamba_state
+    moved = 2 * batch * state_bytes_per_sequence(m) / m.mamba_layers + tokens * (conv + 2 * inner) * w
+    return [proj * m.mamba_layers, OpCost("ssm_scan", flops, moved) * m.mamba_layers]
 
 
 def step_time(ops: list[OpCost], hw: Hardware) -> float:
@@ -356,7 +427,7 @@ def kv_variants(m: ModelShape) -> list[tuple[str, ModelShape]]:
     if m.heads % 8 == 0 and m.heads > 8:
         cands.append(("GQA (K=8)", replace(plain, kv_heads=8)))
     cands.append(("MQA (K=1)", replace(plain, kv_heads=1)))
-    if not m.mla:
+    if not m.mla and not m.mamba_layers:  # (MLA attention beside Mamba layers: not a shape kvserve serves)
         cands.append((f"MLA (d_c={4 * m.head_dim})",
                       replace(m, kv_heads=m.heads, kv_latent=4 * m.head_dim, rope_dim=m.head_dim // 2)))
     if not m.mla and m.kv_share == 1:
