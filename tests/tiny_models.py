@@ -51,12 +51,15 @@ def make_config(kind: str):
         return tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
     if kind == "qwen2_moe":  # layer 1 dense (mlp_only_layers), layers 0 and 2 MoE with a gated shared expert
         return tf.Qwen2MoeConfig(**common, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
-                                 shared_expert_intermediate_size=48, mlp_only_layers=[1], norm_topk_prob=False)
-    if kind in ("deepseek_v2_moe", "deepseek_v3_moe"):  # layer 0 dense, layers 1 and 2 MoE with a shared expert
+                                 shared_expert_intermediate_size=64, mlp_only_layers=[1], norm_topk_prob=False)
+    # layer 0 dense, layers 1 and 2 MoE with a shared expert; V2 routes within the best group of two experts
+    # (topk_group 1, so the group limit changes choices), V3 within the best two groups (by each group's
+    # two biased scores)
+    if kind in ("deepseek_v2_moe", "deepseek_v3_moe"):
         v3 = kind == "deepseek_v3_moe"
         cls = tf.DeepseekV3Config if v3 else tf.DeepseekV2Config
         routing = (dict(n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5) if v3 else
-                   dict(topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=2.0))
+                   dict(topk_method="group_limited_greedy", n_group=4, topk_group=1, routed_scaling_factor=2.0))
         return cls(**{**common, "num_key_value_heads": 4}, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16,
                    qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=1, rope_scaling=None,
                    n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,

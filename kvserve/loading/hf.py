@@ -186,6 +186,9 @@ def _moe_fields(c: dict, cfg_path: Path, model_type: str, n_layers: int) -> dict
                    routed_scaling_factor=float(c.get("routed_scaling_factor") or 1.0),
                    shared_intermediate_size=moe_inter * shared, router_fp32=True)
     moe["top_k"] = _positive(c, cfg_path, "num_experts_per_tok")
+    if moe["top_k"] > moe["num_experts"]:
+        raise ModelLoadError(cfg_path, f"num_experts_per_tok ({moe['top_k']}) exceeds the number of routed experts "
+                                       f"({moe['num_experts']})")
     try:
         return {"moe": MoEConfig(**moe)}
     except ValueError as e:

@@ -108,6 +108,8 @@ class SparseMoeBlock(nn.Module):
         """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t, each used expert run
         once on the rows routed to it. x [T, hidden], weights [T, k] fp32, ids [T, k]."""
         k = ids.shape[1]
+        if x.shape[0] == 1:  # a batch-1 decode step: k experts on the one row, no grouping to do
+            return self._one_row(x, weights[0], ids[0])
         flat = ids.flatten()
         order = torch.argsort(flat, stable=True)  # the (token, slot) pairs grouped by expert
         rows = order // k  # the token of each pair, in that order
@@ -122,6 +124,13 @@ class SparseMoeBlock(nn.Module):
             y = self.experts[e](x.index_select(0, idx))
             out.index_add_(0, idx, (y * pair_weights[start:start + n, None]).to(out.dtype))
             start += n
+        return out
+
+    def _one_row(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [1, hidden] through its k experts, summed in expert order (as the grouped path adds)."""
+        out = torch.zeros_like(x)
+        for w, e in sorted(zip(weights.tolist(), ids.tolist()), key=lambda p: p[1]):
+            out += (self.experts[e](x).float() * w).to(out.dtype)  # (fp32 weighting, as the grouped path)
         return out
 
 
