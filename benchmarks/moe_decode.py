@@ -8,7 +8,7 @@ two models take turns, --repeats turns each, and the medians are reported with t
 weights one decode step reads: the dense model all of its weights, the MoE model attention,
 router, top_k experts and the shared expert per layer (plus the head and one embedding row each).
 
-    OMP_NUM_THREADS=2 python benchmarks/moe_decode.py --repeats 5 [--json-dir benchmarks/results]
+    python benchmarks/moe_decode.py --repeats 5 [--threads 1] [--json-dir benchmarks/results]
 """
 from __future__ import annotations
 
@@ -76,8 +76,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--json-dir", default=None)
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     prompt = list(range(3, 19))
     with tempfile.TemporaryDirectory() as tmp:
         moe_dir, dense_dir = write_models(Path(tmp))

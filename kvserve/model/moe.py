@@ -25,9 +25,6 @@ from torch import nn
 from kvserve.model.config import ModelConfig, MoEConfig
 from kvserve.model.layers import GatedMLP
 
-SCORING = ("softmax", "sigmoid")
-TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
-
 
 class Router(nn.Module):
     """The gate: weight [num_experts, hidden] (a plain parameter, not an nn.Linear, so weight
