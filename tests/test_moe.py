@@ -14,7 +14,10 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
+from kvserve.config import EngineConfig
+from kvserve.engine.builder import cuda_graphs_fit
 from kvserve.engine.model_runner import ModelRunner, StepInput
+from kvserve.engine.parallel.shard import check_shardable
 from kvserve.loading import load_model
 from kvserve.loading.errors import ModelLoadError
 from kvserve.loading.hf import read_hf_config
@@ -25,6 +28,7 @@ from kvserve.model.moe import SparseMoeBlock
 from kvserve.tools.analysis import roofline as rl
 from kvserve.tools.analysis.presets import shape_from_hf_config, shape_from_model_config
 from kvserve.weights.ggml import GGMLLinear
+from kvserve.weights.half import HalfLinear
 from tests.test_gguf_llama import write_llama_gguf
 from tests.tiny_models import MOE_KINDS, VOCAB, make_model
 
@@ -410,3 +414,29 @@ def test_gguf_expert_metadata_checked(mixtral_gguf, tmp_path):
 def _tokenizer_of(mixtral_gguf):
     _, paths = mixtral_gguf
     return paths["F32"].parent / "tokenizer.json"
+
+
+# ---------------------------------------------------------------- other weight and engine paths
+def test_bf16_checkpoint_keeps_experts_16bit(tmp_path):
+    """A bf16 MoE checkpoint on the CPU ("auto"): every expert stays a 16-bit HalfLinear, the
+    router is float, and the logits are the fp32 load's (the same values, other summation order)."""
+    make_model("qwen2_moe", tmp_path).to(torch.bfloat16).save_pretrained(tmp_path)
+    auto, fp32 = load_model(tmp_path, "auto"), load_model(tmp_path, "float32")
+    experts = _experts_of(auto.model)
+    assert experts and all(type(e) is HalfLinear and e.weight.dtype == torch.bfloat16 for e in experts)
+    assert all(b.gate.weight.dtype == torch.float32 for b in _moe_blocks(auto.model).values())
+    ids = _prompts([40], seed=7)[0]
+    want = _prefill_logits(fp32, ids)
+    assert (_prefill_logits(auto, ids) - want).abs().max().item() < 1e-5 * want.abs().max().item()
+
+
+def test_engine_paths_that_refuse_moe(folders):
+    """Tensor parallelism refuses MoE models (experts are not sharded) naming them; CUDA graphs
+    are not captured for them (the dispatch's shapes follow the routing)."""
+    cfg = read_hf_config(folders["qwen2_moe"])
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        check_shardable(cfg, 2)
+    check_shardable(replace(cfg, moe=None, intermediate_size=128), 2)  # the same shapes without MoE split
+    engine = EngineConfig(model=str(folders["qwen2_moe"]), device="cuda")
+    assert not cuda_graphs_fit(engine, cfg, None)
+    assert cuda_graphs_fit(engine, replace(cfg, moe=None), None)
