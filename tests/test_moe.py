@@ -396,6 +396,32 @@ def test_gguf_q8_experts_run_as_blocks(mixtral_gguf):
     assert (_prefill_logits(int8, ids) - want).abs().max().item() < 0.05 * want.abs().max().item()
 
 
+@pytest.mark.parametrize("qtype,blocks", [("F32", False), ("F32", True), ("Q8_0", True)])
+def test_gguf_qwen2moe(tmp_path, qtype, blocks, monkeypatch):
+    """Qwen2-MoE as llama.cpp's qwen2moe architecture (q/k/v biases, q/k not permuted, shared
+    expert with its sigmoid gate): F32 loads give HF's logits; Q8_0 experts and shared expert run
+    as blocks with the dequantized file's logits (float activations)."""
+    monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path / "cache"))
+    hf = make_model("qwen2_moe", tmp_path, mlp_only_layers=[])  # llama.cpp's qwen2moe: every layer sparse
+    path = tmp_path / f"tiny-qwen2moe-{qtype}.gguf"
+    write_llama_gguf(hf, tmp_path / "tokenizer.json", path, qtype, "default", arch="qwen2moe")
+    loaded = load_model(path, gguf_blocks=blocks, gguf_activations="float")
+    moe = loaded.config.moe
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.shared_intermediate_size, moe.layers,
+            moe.norm_topk_prob, moe.shared_expert_gate) == (6, 2, 32, 64, (0, 1, 2), False, True)
+    assert loaded.config.qkv_bias
+    ids = _prompts([40], seed=7)[0]
+    ours = _prefill_logits(loaded, ids)
+    if qtype == "F32":
+        with torch.no_grad():
+            want = hf(torch.tensor([ids])).logits[0].float()
+    else:
+        shared = [b.shared_experts.down_proj for b in _moe_blocks(loaded.model).values()]
+        assert all(type(e) is GGMLLinear for e in _experts_of(loaded.model) + shared)
+        want = _prefill_logits(load_model(path), ids)
+    assert (ours - want).abs().max().item() < LOGIT_TOL
+
+
 def test_gguf_expert_metadata_checked(mixtral_gguf, tmp_path):
     """A file whose expert tensors disagree with expert_count is refused naming the tensor."""
     import gguf

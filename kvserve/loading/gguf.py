@@ -26,7 +26,7 @@ from kvserve.model.config import FULL, SLIDING, ModelConfig, MoEConfig, RopeConf
 from kvserve.weights.embedding import QuantEmbedding
 from kvserve.weights.ggml import GGMLLinear, row_bytes
 
-SUPPORTED_ARCHS = ("gemma3", "llama")
+SUPPORTED_ARCHS = ("gemma3", "llama", "qwen2moe")
 
 # GGUF tensor name (after "blk.N.") -> our parameter name (after "layers.N.")
 _LAYER_NAMES = {
@@ -41,6 +41,10 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_gate_inp": "mlp.gate",  # the MoE router [experts, hidden]
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",  # Qwen2-MoE's shared expert and its gate
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",  # [hidden] in the file, [1, hidden] here
 }
 # llama.cpp's MoE experts, one 3-D tensor per projection [experts, out, in] (numpy order) -> the
 # projection of each of our per-expert MLPs, layers.N.mlp.experts.E.<proj>
@@ -55,6 +59,9 @@ _FAMILY_LAYER_NAMES = {
     },
     "llama": {"ffn_norm": "post_attention_layernorm"},
 }
+# llama.cpp permutes q/k rows for its interleaved RoPE in these architectures only (Qwen2-MoE
+# uses the half rotation as stored)
+_PERMUTED_QK = ("llama",)
 _GLOBAL_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
 
 
@@ -172,22 +179,31 @@ def _read_gguf_config(reader, path: Path) -> ModelConfig:
         attn_scale=head_dim**-0.5,
         hidden_act="silu",
         qk_norm="blk.0.attn_q_norm.weight" in names,
-        moe=_gguf_moe(meta, n_layers, common["intermediate_size"], path),
+        qkv_bias="blk.0.attn_q.bias" in names,
+        moe=_gguf_moe(meta, arch, n_layers, common["intermediate_size"], path),
         **common,
     )
 
 
-def _gguf_moe(meta, n_layers: int, intermediate: int, path: Path) -> MoEConfig | None:
-    """A llama-architecture file with experts (Mixtral as llama.cpp converts it): every layer
-    routes softmax top-k with the weights renormalised, as llama.cpp computes it."""
+def _gguf_moe(meta, arch: str, n_layers: int, intermediate: int, path: Path) -> MoEConfig | None:
+    """Experts in every layer, routed softmax top-k as llama.cpp computes them: a llama file
+    (Mixtral) renormalises the top-k weights; qwen2moe does not, and adds a shared expert of
+    expert_shared_feed_forward_length scaled by sigmoid(ffn_gate_inp_shexp . x)."""
     experts = meta("expert_count", 0, kind=int)
     if experts == 0:
+        if arch == "qwen2moe":
+            raise ModelLoadError(path, "GGUF metadata qwen2moe.expert_count is missing or 0")
         return None
     used = meta("expert_used_count", 0, kind=int)
     if not 0 < used <= experts:
-        raise ModelLoadError(path, f"GGUF metadata expert_used_count ({used}) must be in 1..expert_count "
+        raise ModelLoadError(path, f"GGUF metadata {arch}.expert_used_count ({used}) must be in 1..expert_count "
                                    f"({experts})")
-    return MoEConfig(num_experts=experts, top_k=used, intermediate_size=intermediate, layers=tuple(range(n_layers)),
+    layers = tuple(range(n_layers))
+    if arch == "qwen2moe":
+        return MoEConfig(num_experts=experts, top_k=used, intermediate_size=meta("expert_feed_forward_length", kind=int),
+                         layers=layers, shared_intermediate_size=meta("expert_shared_feed_forward_length", kind=int),
+                         shared_expert_gate=True)
+    return MoEConfig(num_experts=experts, top_k=used, intermediate_size=intermediate, layers=layers,
                      norm_topk_prob=True)
 
 
@@ -246,10 +262,12 @@ def gguf_state_dict(reader, cfg: ModelConfig, path: Path) -> dict[str, torch.Ten
             raise ModelLoadError(path, f"cannot dequantize tensor {t.name!r} ({e})") from None
         if cfg.family == "gemma3" and name.endswith("norm.weight"):
             w = w - 1.0  # llama.cpp stores Gemma norm weights as 1 + w
-        if cfg.family == "llama" and ".self_attn.q_proj." in name:
+        if cfg.model_type in _PERMUTED_QK and ".self_attn.q_proj." in name:
             w = _unpermute_rope(w, cfg.num_heads)
-        if cfg.family == "llama" and ".self_attn.k_proj." in name:
+        if cfg.model_type in _PERMUTED_QK and ".self_attn.k_proj." in name:
             w = _unpermute_rope(w, cfg.num_kv_heads)
+        if name.endswith(".shared_expert_gate.weight"):
+            w = w.reshape(1, -1)
         # A copy: F32 tensors come back as read-only views of the memory-mapped file.
         sd[name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=True))
     return sd
@@ -350,8 +368,10 @@ def load_gguf_blocks(path: Path, dtype: torch.dtype, activations: str = "int8"
         name = _param_name(t["name"], cfg.family)
         if name is None:
             raise ModelLoadError(path, f"unexpected tensor {t['name']!r} for architecture {cfg.model_type!r}")
-        if len(t["shape"]) == 1:  # norms and biases: small, as floats
+        if len(t["shape"]) == 1:  # norms, biases, the shared-expert gate: small, as floats
             plain[name] = _vector(data, t, cfg, name, path).to(dtype)
+            if name.endswith(".shared_expert_gate.weight"):
+                plain[name] = plain[name].reshape(1, -1)
             continue
         if name.endswith(".mlp.gate.weight"):  # the router: a float matrix (it picks the experts)
             plain[name] = _matrix(data, t, path).to(dtype)
@@ -362,11 +382,13 @@ def load_gguf_blocks(path: Path, dtype: torch.dtype, activations: str = "int8"
         except (ValueError, RuntimeError) as e:
             raise ModelLoadError(path, f"tensor {t['name']!r}: {e}") from None
         order = None
-        if cfg.family == "llama" and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
+        if cfg.model_type in _PERMUTED_QK and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
             heads = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
             order = torch.from_numpy(_unpermute_rope(np.arange(n, dtype=np.int64), heads).copy())
         modules[name.removesuffix(".weight")] = GGMLLinear(raw, t["type"], k, n, activations=activations,
                                                            out_order=order)
+    for name in [n for n in plain if n.endswith(".bias") and n.removesuffix(".bias") in modules]:
+        modules[name.removesuffix(".bias")].bias = plain.pop(name)  # (Qwen2-MoE's q/k/v biases)
     table = modules.pop("embed_tokens", None)
     if table is None:
         raise ModelLoadError(path, "no token_embd tensor")
