@@ -58,6 +58,27 @@ _GGUF_NAMES = {
 }
 
 
+def _gguf_tensors(hf_name: str, data: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """(GGUF name, array) of one HF tensor: as named by _gguf_name, except a Mixtral layer's
+    router (ffn_gate_inp) and its stacked experts, gate_up_proj [E, 2I, H] split into
+    ffn_gate_exps / ffn_up_exps [E, I, H] and down_proj [E, H, I] as ffn_down_exps, as
+    llama.cpp converts MixtralForCausalLM (and Qwen2MoeForCausalLM, with its shared expert)."""
+    layer = hf_name.split(".")[2] if hf_name.startswith("model.layers.") else None
+    if ".mlp.shared_expert" in hf_name:  # Qwen2-MoE's shared expert; its gate [1, hidden] is a vector in GGUF
+        if hf_name.endswith(".shared_expert_gate.weight"):
+            return [(f"blk.{layer}.ffn_gate_inp_shexp.weight", data.reshape(-1))]
+        proj = hf_name.rsplit(".", 2)[1].removesuffix("_proj")
+        return [(f"blk.{layer}.ffn_{proj}_shexp.weight", data)]
+    if hf_name.endswith(".mlp.gate.weight"):
+        return [(f"blk.{layer}.ffn_gate_inp.weight", data)]
+    if hf_name.endswith(".mlp.experts.gate_up_proj"):
+        gate, up = np.split(data, 2, axis=1)
+        return [(f"blk.{layer}.ffn_gate_exps.weight", gate), (f"blk.{layer}.ffn_up_exps.weight", up)]
+    if hf_name.endswith(".mlp.experts.down_proj"):
+        return [(f"blk.{layer}.ffn_down_exps.weight", data)]
+    return [(_gguf_name(hf_name), data)]
+
+
 def _gguf_name(hf_name: str) -> str:
     stem, kind = hf_name.rsplit(".", 1)
     top = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
@@ -68,7 +89,9 @@ def _gguf_name(hf_name: str) -> str:
 
 
 def write_llama_gguf(model, tokenizer_json: Path, out: Path, qtype: str, pre: str,
-                     chat_template: str | None = None) -> None:
+                     chat_template: str | None = None, arch: str = "llama") -> None:
+    """`arch` "qwen2moe": a Qwen2MoeForCausalLM as llama.cpp writes it (q/k rows not permuted,
+    the expert widths as their own keys)."""
     import gguf
 
     cfg = model.config
@@ -76,7 +99,7 @@ def write_llama_gguf(model, tokenizer_json: Path, out: Path, qtype: str, pre: st
     quant = gguf.GGMLQuantizationType[qtype]
     ftype = gguf.LlamaFileType.ALL_F32 if qtype == "F32" else gguf.LlamaFileType.MOSTLY_Q8_0
 
-    w = gguf.GGUFWriter(str(out), "llama")
+    w = gguf.GGUFWriter(str(out), arch)
     w.add_name("tiny-llama")
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -88,7 +111,15 @@ def write_llama_gguf(model, tokenizer_json: Path, out: Path, qtype: str, pre: st
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_file_type(int(ftype))
     w.add_vocab_size(cfg.vocab_size)
-    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_dimension_count(getattr(cfg, "head_dim", None) or cfg.hidden_size // n_head)
+    if getattr(cfg, "num_local_experts", None):  # Mixtral, as llama.cpp writes it: a llama file with experts
+        w.add_expert_count(cfg.num_local_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+    if arch == "qwen2moe":
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
 
     # Vocabulary as llama.cpp's _set_vocab_gpt2: tokens by id, special added tokens CONTROL.
     tj = json.loads(tokenizer_json.read_text())
@@ -115,14 +146,18 @@ def write_llama_gguf(model, tokenizer_json: Path, out: Path, qtype: str, pre: st
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # llama.cpp writes no output.weight for tied embeddings
         data = t.detach().float().numpy()
-        if name.endswith("q_proj.weight"):
+        if arch != "llama":
+            pass  # (llama.cpp permutes q/k for llama only)
+        elif name.endswith("q_proj.weight"):
             data = _llama_cpp_permute(data, n_head)
         elif name.endswith("k_proj.weight"):
             data = _llama_cpp_permute(data, n_kv)
-        if data.ndim == 2 and quant != gguf.GGMLQuantizationType.F32:
-            w.add_tensor(_gguf_name(name), gguf.quants.quantize(data, quant), raw_dtype=quant)
-        else:  # 1-D tensors (norms) always stay F32
-            w.add_tensor(_gguf_name(name), np.ascontiguousarray(data, dtype=np.float32))
+        for gguf_name, part in _gguf_tensors(name, data):
+            # 1-D tensors (norms) and the MoE router stay F32 (llama.cpp keeps ffn_gate_inp unquantized)
+            if part.ndim >= 2 and quant != gguf.GGMLQuantizationType.F32 and ".ffn_gate_inp" not in gguf_name:
+                w.add_tensor(gguf_name, gguf.quants.quantize(np.ascontiguousarray(part), quant), raw_dtype=quant)
+            else:
+                w.add_tensor(gguf_name, np.ascontiguousarray(part, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

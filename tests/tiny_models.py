@@ -51,7 +51,39 @@ def make_config(kind: str):
         return tf.BambaConfig(**{**common, "num_hidden_layers": 4}, attn_layer_indices=[1], mamba_n_heads=4,
                               mamba_d_head=32, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4,
                               mamba_chunk_size=8)
+    if kind == "mixtral":
+        return tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+    if kind == "qwen2_moe":  # layer 1 dense (mlp_only_layers), layers 0 and 2 MoE with a gated shared expert
+        return tf.Qwen2MoeConfig(**common, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                                 shared_expert_intermediate_size=64, mlp_only_layers=[1], norm_topk_prob=False)
+    # layer 0 dense, layers 1 and 2 MoE with a shared expert; V2 routes within the best group of two experts
+    # (topk_group 1, so the group limit changes choices), V3 within the best two groups (by each group's
+    # two biased scores)
+    if kind in ("deepseek_v2_moe", "deepseek_v3_moe"):
+        v3 = kind == "deepseek_v3_moe"
+        cls = tf.DeepseekV3Config if v3 else tf.DeepseekV2Config
+        routing = (dict(n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5) if v3 else
+                   dict(topk_method="group_limited_greedy", n_group=4, topk_group=1, routed_scaling_factor=2.0))
+        return cls(**{**common, "num_key_value_heads": 4}, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16,
+                   qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=1, rope_scaling=None,
+                   n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                   **routing)
     raise ValueError(kind)
+
+
+MOE_KINDS = ("mixtral", "qwen2_moe", "deepseek_v2_moe", "deepseek_v3_moe")
+
+
+def _randomize_routers(model) -> None:
+    """Random router weights and DeepSeek-V3 selection biases (HF may start them at zero: every
+    expert would tie) and random expert weights wherever a parameter starts constant."""
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" not in n and p.numel() > 1 and bool((p == p.flatten()[0]).all()):
+                p.normal_(0, 0.1)
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
 
 
 def make_model(kind: str, folder: Path, shard: bool = False, **overrides):
@@ -82,6 +114,8 @@ def make_model(kind: str, folder: Path, shard: bool = False, **overrides):
                     p.normal_(0, 0.5)
                 elif "norm" in n:
                     p.normal_(1, 0.3)
+    if kind in MOE_KINDS:
+        _randomize_routers(model)
     model = model.float().eval()
     model.save_pretrained(folder, max_shard_size="60KB" if shard else "2GB")
     write_tokenizer(folder)

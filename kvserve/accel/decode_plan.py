@@ -142,6 +142,8 @@ class DecodePlan:
         kinds = {type(layer) for layer in model.layers}
         if len(kinds) != 1 or kinds.pop() not in (Gemma3DecoderLayer, LlamaDecoderLayer):
             raise _Unsupported("not all Gemma 3 or all Llama layers")
+        if cfg.moe is not None:
+            raise _Unsupported("mixture-of-experts layers")
         if kv_cache.quantized or kv_cache.dtype != torch.float32 or cfg.kv_source is not None:
             raise _Unsupported("quantized, non-fp32 or shared KV")
         acts = {"gelu_tanh_mul" if layer.mlp.gelu_tanh else "silu_mul" if layer.mlp.silu else None

@@ -144,7 +144,8 @@ def low_bit_weights(loaded: LoadedModel, kind: str, device: str, owned: bool) ->
 def check_model(cfg: EngineConfig, mc: ModelConfig) -> None:
     """Refuse the options the model's KV layout cannot serve. MLA caches one latent per token: no
     per-head K/V for KV quantization or StreamingLLM. StreamingLLM keeps a per-layer rank-rotated
-    cache; a layer reusing another's K/V (cross-layer sharing) has none."""
+    cache; a layer reusing another's K/V (cross-layer sharing) has none. An MoE model is not
+    traced (compile)."""
     if mc.mla and cfg.kv_cache_dtype != "auto":
         raise ValueError(f"kv_cache_dtype {cfg.kv_cache_dtype!r} is not supported for MLA models "
                          f"({mc.model_type}): use 'auto'")
@@ -153,6 +154,9 @@ def check_model(cfg: EngineConfig, mc: ModelConfig) -> None:
     if mc.kv_source is not None and cfg.streaming_window is not None:
         raise ValueError("streaming_window is not supported for models with cross-layer KV sharing "
                          "(config kvserve_kv_source)")
+    if mc.moe is not None and cfg.compile:
+        # the expert dispatch sizes its matmuls by the step's routing (data-dependent shapes)
+        raise ValueError(f"compile is not supported for mixture-of-experts models ({mc.model_type})")
     if mc.is_hybrid:
         check_hybrid(cfg, mc)
 
@@ -334,7 +338,7 @@ def cuda_graphs_fit(cfg: EngineConfig, mc: ModelConfig, policies: list[StreamPol
     enforce_eager; not under tensor parallelism (a captured step would hold the all-reduces)."""
     return (not cfg.enforce_eager and not cfg.compile and not cfg.parallel_config.enabled
             and cfg.weights == "float" and cfg.kv_cache_dtype == "auto" and cfg.use_kv_cache
-            and policies is None and not mc.mla and not mc.is_hybrid)
+            and policies is None and not mc.mla and not mc.is_hybrid and mc.moe is None)
 
 
 def capture_cuda_graphs(model: torch.nn.Module, cache: KVCache, cfg: EngineConfig, max_len: int,

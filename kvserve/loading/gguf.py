@@ -22,11 +22,11 @@ from kvserve.loading.cache import atomic_write_bytes, entry_dir, replace_atomica
 from kvserve.loading.errors import ModelLoadError
 from kvserve.loading.serialize import config_from_dict, config_to_dict
 from kvserve.loading.tokenizer import convert_gguf_tokenizer
-from kvserve.model.config import FULL, SLIDING, ModelConfig, RopeConfig
+from kvserve.model.config import FULL, SLIDING, ModelConfig, MoEConfig, RopeConfig
 from kvserve.weights.embedding import QuantEmbedding
 from kvserve.weights.ggml import GGMLLinear, row_bytes
 
-SUPPORTED_ARCHS = ("gemma3", "llama")
+SUPPORTED_ARCHS = ("gemma3", "llama", "qwen2moe")
 
 # GGUF tensor name (after "blk.N.") -> our parameter name (after "layers.N.")
 _LAYER_NAMES = {
@@ -40,7 +40,15 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
+    "ffn_gate_inp": "mlp.gate",  # the MoE router [experts, hidden]
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",  # Qwen2-MoE's shared expert and its gate
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",  # [hidden] in the file, [1, hidden] here
 }
+# llama.cpp's MoE experts, one 3-D tensor per projection [experts, out, in] (numpy order) -> the
+# projection of each of our per-expert MLPs, layers.N.mlp.experts.E.<proj>
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 # The norm after attention is "post_attention_norm" in Gemma, while Llama's pre-MLP norm
 # ("ffn_norm") is what HF calls post_attention_layernorm.
 _FAMILY_LAYER_NAMES = {
@@ -51,6 +59,9 @@ _FAMILY_LAYER_NAMES = {
     },
     "llama": {"ffn_norm": "post_attention_layernorm"},
 }
+# llama.cpp permutes q/k rows for its interleaved RoPE in these architectures only (Qwen2-MoE
+# uses the half rotation as stored)
+_PERMUTED_QK = ("llama",)
 _GLOBAL_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
 
 
@@ -168,8 +179,52 @@ def _read_gguf_config(reader, path: Path) -> ModelConfig:
         attn_scale=head_dim**-0.5,
         hidden_act="silu",
         qk_norm="blk.0.attn_q_norm.weight" in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        moe=_gguf_moe(meta, arch, n_layers, common["intermediate_size"], path),
         **common,
     )
+
+
+def _gguf_moe(meta, arch: str, n_layers: int, intermediate: int, path: Path) -> MoEConfig | None:
+    """Experts in every layer, routed softmax top-k as llama.cpp computes them: a llama file
+    (Mixtral) renormalises the top-k weights; qwen2moe does not, and adds a shared expert of
+    expert_shared_feed_forward_length scaled by sigmoid(ffn_gate_inp_shexp . x)."""
+    experts = meta("expert_count", 0, kind=int)
+    if experts == 0:
+        if arch == "qwen2moe":
+            raise ModelLoadError(path, "GGUF metadata qwen2moe.expert_count is missing or 0")
+        return None
+    used = meta("expert_used_count", 0, kind=int)
+    if not 0 < used <= experts:
+        raise ModelLoadError(path, f"GGUF metadata {arch}.expert_used_count ({used}) must be in 1..expert_count "
+                                   f"({experts})")
+    layers = tuple(range(n_layers))
+    if arch == "qwen2moe":
+        return MoEConfig(num_experts=experts, top_k=used, intermediate_size=meta("expert_feed_forward_length", kind=int),
+                         layers=layers, shared_intermediate_size=meta("expert_shared_feed_forward_length", kind=int),
+                         shared_expert_gate=True)
+    return MoEConfig(num_experts=experts, top_k=used, intermediate_size=intermediate, layers=layers,
+                     norm_topk_prob=True)
+
+
+def _expert_names(gguf_name: str, num_experts: int) -> list[str] | None:
+    """Our per-expert parameter names of a stacked expert tensor (blk.N.ffn_*_exps.weight), in
+    the tensor's expert order; None for any other tensor."""
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _EXPERT_NAMES and parts[3] == "weight":
+        return [f"layers.{parts[1]}.mlp.experts.{e}.{_EXPERT_NAMES[parts[2]]}.weight" for e in range(num_experts)]
+    return None
+
+
+def _check_experts(name: str, shape: tuple[int, ...], cfg: ModelConfig, path: Path) -> None:
+    """A stacked expert tensor holds one [out, in] matrix per expert of the config (shape in
+    numpy order: experts, out, in)."""
+    if cfg.moe is None:
+        raise ModelLoadError(path, f"tensor {name!r}: expert weights, but the metadata has no expert_count")
+    h, i = cfg.hidden_size, cfg.moe.intermediate_size
+    want = (cfg.moe.num_experts, *((h, i) if ".ffn_down_exps." in name else (i, h)))
+    if tuple(shape) != want:
+        raise ModelLoadError(path, f"tensor {name!r} has shape {list(shape)}, the metadata implies {list(want)}")
 
 
 def _param_name(gguf_name: str, family: str) -> str | None:
@@ -194,6 +249,10 @@ def gguf_state_dict(reader, cfg: ModelConfig, path: Path) -> dict[str, torch.Ten
     """Every tensor dequantized to fp32, under our parameter names."""
     sd: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
+        experts = _expert_names(t.name, cfg.moe.num_experts if cfg.moe else 0)
+        if experts is not None:
+            sd.update(_dequantized_experts(t, experts, cfg, path))
+            continue
         name = _param_name(t.name, cfg.family)
         if name is None:
             raise ModelLoadError(path, f"unexpected tensor {t.name!r} for architecture {cfg.model_type!r}")
@@ -203,13 +262,26 @@ def gguf_state_dict(reader, cfg: ModelConfig, path: Path) -> dict[str, torch.Ten
             raise ModelLoadError(path, f"cannot dequantize tensor {t.name!r} ({e})") from None
         if cfg.family == "gemma3" and name.endswith("norm.weight"):
             w = w - 1.0  # llama.cpp stores Gemma norm weights as 1 + w
-        if cfg.family == "llama" and ".self_attn.q_proj." in name:
+        if cfg.model_type in _PERMUTED_QK and ".self_attn.q_proj." in name:
             w = _unpermute_rope(w, cfg.num_heads)
-        if cfg.family == "llama" and ".self_attn.k_proj." in name:
+        if cfg.model_type in _PERMUTED_QK and ".self_attn.k_proj." in name:
             w = _unpermute_rope(w, cfg.num_kv_heads)
+        if name.endswith(".shared_expert_gate.weight"):
+            w = w.reshape(1, -1)
         # A copy: F32 tensors come back as read-only views of the memory-mapped file.
         sd[name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=True))
     return sd
+
+
+def _dequantized_experts(t, names: list[str], cfg: ModelConfig, path: Path) -> dict[str, torch.Tensor]:
+    """A stacked expert tensor [experts, out, in] dequantized, one fp32 matrix per expert."""
+    try:
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+    except Exception as e:
+        raise ModelLoadError(path, f"cannot dequantize tensor {t.name!r} ({e})") from None
+    _check_experts(t.name, w.shape, cfg, path)
+    return {name: torch.from_numpy(np.array(w[e], dtype=np.float32, order="C", copy=True))
+            for e, name in enumerate(names)}
 
 
 def load_gguf(path: Path) -> tuple[ModelConfig, Path, Path]:
@@ -288,12 +360,21 @@ def load_gguf_blocks(path: Path, dtype: torch.dtype, activations: str = "int8"
     plain: dict[str, torch.Tensor] = {}
     modules: dict[str, nn.Module] = {}
     for t in index:
+        data = mapped[t["offset"]:t["offset"] + t["bytes"]]
+        experts = _expert_names(t["name"], cfg.moe.num_experts if cfg.moe else 0)
+        if experts is not None:
+            modules.update(_expert_blocks(data, t, experts, cfg, path, activations))
+            continue
         name = _param_name(t["name"], cfg.family)
         if name is None:
             raise ModelLoadError(path, f"unexpected tensor {t['name']!r} for architecture {cfg.model_type!r}")
-        data = mapped[t["offset"]:t["offset"] + t["bytes"]]
-        if len(t["shape"]) == 1:  # norms and biases: small, as floats
+        if len(t["shape"]) == 1:  # norms, biases, the shared-expert gate: small, as floats
             plain[name] = _vector(data, t, cfg, name, path).to(dtype)
+            if name.endswith(".shared_expert_gate.weight"):
+                plain[name] = plain[name].reshape(1, -1)
+            continue
+        if name.endswith(".mlp.gate.weight"):  # the router: a float matrix (it picks the experts)
+            plain[name] = _matrix(data, t, path).to(dtype)
             continue
         k, n = t["shape"]
         try:
@@ -301,11 +382,13 @@ def load_gguf_blocks(path: Path, dtype: torch.dtype, activations: str = "int8"
         except (ValueError, RuntimeError) as e:
             raise ModelLoadError(path, f"tensor {t['name']!r}: {e}") from None
         order = None
-        if cfg.family == "llama" and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
+        if cfg.model_type in _PERMUTED_QK and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
             heads = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
             order = torch.from_numpy(_unpermute_rope(np.arange(n, dtype=np.int64), heads).copy())
         modules[name.removesuffix(".weight")] = GGMLLinear(raw, t["type"], k, n, activations=activations,
                                                            out_order=order)
+    for name in [n for n in plain if n.endswith(".bias") and n.removesuffix(".bias") in modules]:
+        modules[name.removesuffix(".bias")].bias = plain.pop(name)  # (Qwen2-MoE's q/k/v biases)
     table = modules.pop("embed_tokens", None)
     if table is None:
         raise ModelLoadError(path, "no token_embd tensor")
@@ -315,6 +398,30 @@ def load_gguf_blocks(path: Path, dtype: torch.dtype, activations: str = "int8"
     else:
         modules["embed_tokens"] = QuantEmbedding(table, dtype, tied=False)
     return cfg, plain, modules, tok_file
+
+
+def _expert_blocks(data: np.ndarray, t: dict, names: list[str], cfg: ModelConfig, path: Path,
+                   activations: str) -> dict[str, GGMLLinear]:
+    """A stacked expert tensor's blocks as one GGMLLinear per expert over its slice of the mapped
+    bytes (the experts are the slowest axis: each one's rows are contiguous)."""
+    k, n, experts = t["shape"]  # GGUF order: in, out, experts
+    _check_experts(t["name"], (experts, n, k), cfg, path)
+    try:
+        raw = torch.from_numpy(data).view(experts * n, row_bytes(t["type"], k))
+    except (ValueError, RuntimeError) as e:
+        raise ModelLoadError(path, f"tensor {t['name']!r}: {e}") from None
+    return {name.removesuffix(".weight"): GGMLLinear(raw[e * n:(e + 1) * n], t["type"], k, n, activations=activations)
+            for e, name in enumerate(names)}
+
+
+def _matrix(data: np.ndarray, t: dict, path: Path) -> torch.Tensor:
+    """A 2-D tensor dequantized to fp32 [out, in]."""
+    k, n = t["shape"]
+    try:
+        w = np.asarray(dequantize(data, gguf.GGMLQuantizationType(t["type"])), dtype=np.float32).reshape(n, k)
+    except Exception as e:
+        raise ModelLoadError(path, f"cannot read tensor {t['name']!r} ({e})") from None
+    return torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
 
 
 def _vector(data: np.ndarray, t: dict, cfg: ModelConfig, name: str, path: Path) -> torch.Tensor:

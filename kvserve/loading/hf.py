@@ -2,16 +2,27 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
 
 from kvserve.loading.errors import ModelLoadError
 from kvserve.loading.tensors import TensorFiles
-from kvserve.model.config import FULL, MAMBA, SLIDING, ModelConfig, RopeConfig
+from kvserve.model.config import FULL, MAMBA, SLIDING, ModelConfig, MoEConfig, RopeConfig
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "deepseek_v2", "deepseek_v3", "bamba")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "deepseek_v2", "deepseek_v3",
+                         "mixtral", "qwen2_moe", "bamba")
 MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+_MOE_TYPES = ("mixtral", "qwen2_moe")
+# Per model type: (pattern, replacement) of HF tensor names (after "model.") to ours.
+_RENAMES = {
+    "mixtral": ((re.compile(r"\.block_sparse_moe\.gate\."), ".mlp.gate."),
+                (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w1\."), r".mlp.experts.\1.gate_proj."),
+                (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w3\."), r".mlp.experts.\1.up_proj."),
+                (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w2\."), r".mlp.experts.\1.down_proj.")),
+    "qwen2_moe": ((re.compile(r"\.mlp\.shared_expert\."), ".mlp.shared_experts."),),
+}
 
 
 def read_json(path: Path) -> dict:
@@ -56,9 +67,9 @@ def layer_types_of(c: dict, model_type: str, n_layers: int) -> list[str]:
     if model_type == "gemma3_text":
         pattern = int(c.get("sliding_window_pattern", c.get("_sliding_window_pattern", 6)))
         return [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(n_layers)]
-    if model_type == "mistral" and c.get("sliding_window"):
+    if model_type in ("mistral", "mixtral") and c.get("sliding_window"):
         return [SLIDING] * n_layers
-    if model_type in ("qwen2", "qwen3") and c.get("use_sliding_window"):
+    if model_type in ("qwen2", "qwen3", "qwen2_moe") and c.get("use_sliding_window"):
         start = int(c.get("max_window_layers", n_layers))
         return [SLIDING if i >= start else FULL for i in range(n_layers)]
     return [FULL] * n_layers
@@ -99,10 +110,6 @@ def _mla_fields(c: dict, cfg_path: Path, model_type: str, n_layers: int) -> dict
         raise ModelLoadError(cfg_path, f"MLA field 'q_lora_rank' must be null or a positive integer, got {q_lora!r}")
     if c["qk_rope_head_dim"] % 2:
         raise ModelLoadError(cfg_path, f"MLA field 'qk_rope_head_dim' must be even, got {c['qk_rope_head_dim']}")
-    dense = int(c.get("first_k_dense_replace") or 0)
-    if c.get("n_routed_experts") and dense < n_layers:
-        raise ModelLoadError(cfg_path, f"MoE layers are not supported: first_k_dense_replace ({dense}) < "
-                                       f"num_hidden_layers ({n_layers}) with n_routed_experts set")
     rp = c.get("rope_parameters") if isinstance(c.get("rope_parameters"), dict) else c.get("rope_scaling")
     if _rope_scaling(rp) is not None:
         raise ModelLoadError(cfg_path, f"rope scaling {dict(_rope_scaling(rp))} is not supported for MLA models")
@@ -170,6 +177,79 @@ def _bamba_fields(c: dict, cfg_path: Path, n_layers: int) -> dict:
                 qkv_bias=bool(c.get("attention_bias", False)), o_bias=bool(c.get("attention_bias", False)))
 
 
+def _positive(c: dict, cfg_path: Path, name: str, default: int | None = None) -> int:
+    value = c.get(name, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ModelLoadError(cfg_path, f"MoE field {name!r} must be a positive integer, got {value!r}")
+    return value
+
+
+def _refuse_unless(c: dict, cfg_path: Path, name: str, allowed: tuple, default) -> object:
+    """c[name] (or `default` when absent / null) if it is one of `allowed`; else a ModelLoadError
+    naming the field: a routing variant kvserve does not implement."""
+    value = c.get(name)
+    value = default if value is None else value
+    if value not in allowed:
+        raise ModelLoadError(cfg_path, f"MoE routing {name}={value!r} is not supported for model_type "
+                                       f"{c.get('model_type')!r} (supported: {', '.join(map(repr, allowed))})")
+    return value
+
+
+def _moe_fields(c: dict, cfg_path: Path, model_type: str, n_layers: int) -> dict:
+    """ModelConfig overrides of a mixture-of-experts config (empty for a dense DeepSeek)."""
+    layers = range(n_layers)
+    if model_type == "mixtral":
+        moe = dict(num_experts=_positive(c, cfg_path, "num_local_experts"),
+                   intermediate_size=int(c["intermediate_size"]), layers=tuple(layers), norm_topk_prob=True)
+    elif model_type == "qwen2_moe":
+        if c.get("num_experts") == 0:
+            return {}  # every layer dense
+        step = _positive(c, cfg_path, "decoder_sparse_step", 1)
+        only_dense = c.get("mlp_only_layers") or []
+        if not isinstance(only_dense, list) or not all(isinstance(i, int) for i in only_dense):
+            raise ModelLoadError(cfg_path, f"mlp_only_layers must be a list of layer indices, got {only_dense!r}")
+        moe = dict(num_experts=_positive(c, cfg_path, "num_experts"),
+                   intermediate_size=_positive(c, cfg_path, "moe_intermediate_size"),
+                   layers=tuple(i for i in layers if i not in only_dense and (i + 1) % step == 0),
+                   norm_topk_prob=bool(c.get("norm_topk_prob", False)),
+                   shared_intermediate_size=_positive(c, cfg_path, "shared_expert_intermediate_size"),
+                   shared_expert_gate=True)
+    else:  # DeepSeek-V2 / V3
+        dense, freq = int(c.get("first_k_dense_replace") or 0), _positive(c, cfg_path, "moe_layer_freq", 1)
+        sparse = tuple(i for i in layers if i >= dense and i % freq == 0)
+        if not c.get("n_routed_experts") or not sparse:
+            return {}  # a dense model (its routing fields, defaults of the config class, unused)
+        v3 = model_type == "deepseek_v3"
+        # V3 is sigmoid-scored with the selection bias; transformers' V2 implements softmax, greedy or
+        # group-limited, and never renormalises (DeepSeek's own V2 code renormalises *instead of*
+        # scaling): a V2 config asking for it is refused rather than computed one way or the other.
+        scoring = _refuse_unless(c, cfg_path, "scoring_func", ("sigmoid",) if v3 else ("softmax",),
+                                 "sigmoid" if v3 else "softmax")
+        method = _refuse_unless(c, cfg_path, "topk_method", ("noaux_tc",) if v3 else
+                                ("greedy", "group_limited_greedy"), "noaux_tc" if v3 else "greedy")
+        norm = bool(c.get("norm_topk_prob", v3))
+        if not v3:
+            _refuse_unless(c, cfg_path, "norm_topk_prob", (False,), False)
+        shared = int(c.get("n_shared_experts") or 0)
+        moe_inter = _positive(c, cfg_path, "moe_intermediate_size")
+        grouped = method != "greedy"
+        moe = dict(num_experts=_positive(c, cfg_path, "n_routed_experts"), intermediate_size=moe_inter,
+                   layers=sparse, scoring=scoring,
+                   topk_method=method, norm_topk_prob=norm,
+                   n_group=_positive(c, cfg_path, "n_group") if grouped else 1,
+                   topk_group=_positive(c, cfg_path, "topk_group") if grouped else 1,
+                   routed_scaling_factor=float(c.get("routed_scaling_factor") or 1.0),
+                   shared_intermediate_size=moe_inter * shared, router_fp32=True)
+    moe["top_k"] = _positive(c, cfg_path, "num_experts_per_tok")
+    if moe["top_k"] > moe["num_experts"]:
+        raise ModelLoadError(cfg_path, f"num_experts_per_tok ({moe['top_k']}) exceeds the number of routed experts "
+                                       f"({moe['num_experts']})")
+    try:
+        return {"moe": MoEConfig(**moe)}
+    except ValueError as e:
+        raise ModelLoadError(cfg_path, str(e)) from None
+
+
 def _kv_source(c: dict, cfg_path: Path) -> tuple[int, ...] | None:
     """kvserve's cross-layer KV sharing (`kvserve convert --share-kv-every`): per layer, the layer
     whose K/V it attends over."""
@@ -200,6 +280,7 @@ def read_hf_config(folder: Path) -> ModelConfig:
         eos = _as_list(read_json(gen).get("eos_token_id")) if gen.exists() else []
         sliding = c.get("sliding_window") if SLIDING in layer_types else None
         mla = _mla_fields(c, cfg_path, model_type, n_layers) if model_type in MLA_MODEL_TYPES else {}
+        moe = _moe_fields(c, cfg_path, model_type, n_layers) if model_type in MLA_MODEL_TYPES + _MOE_TYPES else {}
         if model_type == "bamba":
             mla = _bamba_fields(c, cfg_path, n_layers)
             layer_types = mla["layer_types"]
@@ -220,8 +301,9 @@ def read_hf_config(folder: Path) -> ModelConfig:
             attn_scale=float(c.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else head_dim**-0.5,
             sliding_window=int(sliding) if sliding else None,
             hidden_act=c.get("hidden_activation") or c.get("hidden_act") or "silu",
-            qkv_bias=bool(c.get("attention_bias", model_type == "qwen2")),
-            o_bias=bool(c.get("attention_bias", False)) and model_type != "qwen2",
+            qkv_bias=bool(c.get("qkv_bias", True)) if model_type == "qwen2_moe" else
+            bool(c.get("attention_bias", model_type == "qwen2")),
+            o_bias=bool(c.get("attention_bias", False)) and model_type not in ("qwen2", "qwen2_moe"),
             mlp_bias=bool(c.get("mlp_bias", False)),
             qk_norm=model_type in ("qwen3", "gemma3_text"),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", gemma)),
@@ -231,7 +313,7 @@ def read_hf_config(folder: Path) -> ModelConfig:
             pad_token_id=c.get("pad_token_id"),
             chat_template=read_chat_template(folder),
             kv_source=_kv_source(c, cfg_path),
-        ), **mla})
+        ), **mla, **moe})
     except ModelLoadError:
         raise
     except (KeyError, TypeError, ValueError) as e:
@@ -256,13 +338,23 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 
 def hf_tensor_files(folder: Path, cfg: ModelConfig) -> TensorFiles:
-    """The folder's tensors under our names ("model." prefix dropped; a tied lm_head is skipped),
-    read one at a time."""
+    """The folder's tensors under our names ("model." prefix dropped, Mixtral's block_sparse_moe /
+    w1 w2 w3 and Qwen2-MoE's shared_expert renamed; a tied lm_head is skipped, and so are
+    DeepSeek-V3's multi-token-prediction layers past num_hidden_layers), read one at a time."""
+    renames = _RENAMES.get(cfg.model_type, ())
+    mtp = re.compile(r"layers\.(\d+)\.")
+
     def rename(key: str) -> str | None:
         name = key.removeprefix("model.")
         if cfg.family == "bamba" and name.startswith("final_layernorm."):
             name = "norm." + name.removeprefix("final_layernorm.")
-        return None if name == "lm_head.weight" and cfg.tie_word_embeddings else name
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            return None
+        if cfg.model_type == "deepseek_v3" and (m := mtp.match(name)) and int(m.group(1)) >= cfg.num_layers:
+            return None  # the MTP module: a training / speculative head the decoder never runs
+        for pattern, repl in renames:
+            name = pattern.sub(repl, name)
+        return name
 
     return TensorFiles(safetensors_files(folder), rename)
 

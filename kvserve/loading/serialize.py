@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvserve.model.config import ModelConfig, RopeConfig
+from kvserve.model.config import ModelConfig, MoEConfig, RopeConfig
 
 
 def config_to_dict(cfg: ModelConfig) -> dict:
@@ -18,6 +18,8 @@ def config_from_dict(d: dict) -> ModelConfig:
         t: RopeConfig(r["theta"], tuple(sorted(r["scaling"].items())) if r["scaling"] else None)
         for t, r in d["rope"].items()
     }
+    if d.get("moe") is not None:
+        d["moe"] = MoEConfig(**d["moe"])
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown = set(d) - fields
     if unknown:

@@ -31,6 +31,54 @@ class RopeConfig:
         return dict(self.scaling) if self.scaling is not None else None
 
 
+@dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-experts feed-forward (kvserve/model/moe.py) in the layers `layers`; the other
+    layers keep a dense MLP of ModelConfig.intermediate_size. Field names are HF's."""
+
+    num_experts: int  # routed experts per MoE layer
+    top_k: int  # num_experts_per_tok
+    intermediate_size: int  # of one routed expert (moe_intermediate_size; Mixtral: intermediate_size)
+    layers: tuple[int, ...]  # the layers whose MLP is the MoE block
+    scoring: str = "softmax"  # "softmax" or "sigmoid" (DeepSeek-V3's scoring_func)
+    topk_method: str = "greedy"  # "greedy", "group_limited_greedy" (DeepSeek-V2), "noaux_tc" (V3)
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = False  # renormalise the top-k weights to sum to 1
+    routed_scaling_factor: float = 1.0
+    shared_intermediate_size: int = 0  # the shared expert(s) as one MLP; 0: none
+    shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(gate(x)) scales the shared expert
+    router_fp32: bool = False  # router logits from fp32 weights and inputs (DeepSeek)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(int(i) for i in self.layers))
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"MoE scoring {self.scoring!r} is not supported (supported: softmax, sigmoid)")
+        if self.topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+            raise ValueError(f"MoE topk_method {self.topk_method!r} is not supported "
+                             f"(supported: greedy, group_limited_greedy, noaux_tc)")
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"MoE top_k ({self.top_k}) must be in 1..num_experts ({self.num_experts})")
+        if self.topk_method != "greedy":
+            if self.n_group <= 0 or self.num_experts % self.n_group:
+                raise ValueError(f"MoE n_group ({self.n_group}) must divide num_experts ({self.num_experts})")
+            if not 0 < self.topk_group <= self.n_group:
+                raise ValueError(f"MoE topk_group ({self.topk_group}) must be in 1..n_group ({self.n_group})")
+            if self.topk_group * (self.num_experts // self.n_group) < self.top_k:
+                raise ValueError(f"MoE topk_group ({self.topk_group}) groups of {self.num_experts // self.n_group} "
+                                 f"experts hold fewer than top_k ({self.top_k}) experts")
+            if self.topk_method == "noaux_tc" and self.num_experts // self.n_group < 2:
+                raise ValueError("MoE topk_method 'noaux_tc' scores a group by its best two experts: "
+                                 "n_group must leave at least 2 experts per group")
+
+    def params_per_layer(self, hidden: int, active: bool = False) -> int:
+        """Router, routed experts (all, or the top_k a token uses) and shared experts."""
+        experts = self.top_k if active else self.num_experts
+        gate = hidden if self.shared_expert_gate else 0
+        return (self.num_experts * hidden + experts * 3 * hidden * self.intermediate_size
+                + 3 * hidden * self.shared_intermediate_size + gate)
+
+
 @dataclass
 class ModelConfig:
     family: str  # "gemma3", "llama" (llama, mistral, qwen2, qwen3 share one implementation) or "deepseek"
@@ -86,6 +134,8 @@ class ModelConfig:
     mamba_chunk_size: int = 256
     mamba_conv_bias: bool = True
     mamba_proj_bias: bool = False
+    # Mixture of experts (Mixtral, Qwen2-MoE, DeepSeek-V2/V3): None for a dense model.
+    moe: MoEConfig | None = None
 
     def __post_init__(self) -> None:
         if len(self.layer_types) != self.num_layers:
@@ -114,6 +164,8 @@ class ModelConfig:
         if self.kv_source is not None:
             self.kv_source = tuple(int(s) for s in self.kv_source)
             self._check_kv_source()
+        if self.moe is not None and not all(0 <= i < self.num_layers for i in self.moe.layers):
+            raise ValueError(f"MoE layers {list(self.moe.layers)} outside 0..{self.num_layers - 1}")
 
     def _check_kv_source(self) -> None:
         src = self.kv_source
@@ -189,6 +241,15 @@ class ModelConfig:
 
     @property
     def num_params(self) -> int:
+        return self.count_params()
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token multiplies by: an MoE layer counts its router, top_k routed
+        experts and shared experts."""
+        return self.count_params(active=True)
+
+    def count_params(self, active: bool = False) -> int:
         d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
@@ -207,6 +268,8 @@ class ModelConfig:
             inner, conv, h = self.mamba_intermediate, self.mamba_conv_dim, self.mamba_n_heads
             mixer = d * (inner + conv + h) + conv * (self.mamba_d_conv + 1) + 3 * h + inner + inner * d
             total += len(self.mamba_layers) * (mixer + 3 * d * f)
+        if self.moe is not None:  # those layers hold the MoE block instead of a dense MLP
+            total += len(self.moe.layers) * (self.moe.params_per_layer(d, active) - 3 * d * f)
         return total
 
     def kv_bytes_per_token(self, bytes_per_element: int = 4) -> int:

@@ -1,5 +1,6 @@
-"""DeepSeek-V2/V3 with dense MLPs: MLA attention (kvserve/model/mla.py) in a pre-norm decoder
-layer. MoE layers are not implemented (the loader refuses checkpoints that have them)."""
+"""DeepSeek-V2/V3: MLA attention (kvserve/model/mla.py) in a pre-norm decoder layer whose MLP is
+dense in the first first_k_dense_replace layers and a mixture of experts (kvserve/model/moe.py:
+routed plus shared experts) in the others."""
 from __future__ import annotations
 
 import torch
@@ -8,15 +9,16 @@ from torch import nn
 from kvserve.model.attention import AttentionMetadata, KVCache
 from kvserve.model.base import CausalLM
 from kvserve.model.config import ModelConfig
-from kvserve.model.layers import GatedMLP, RMSNorm
+from kvserve.model.layers import RMSNorm
 from kvserve.model.mla import MLAttention
+from kvserve.model.moe import feed_forward
 
 
 class DeepseekDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.self_attn = MLAttention(cfg, layer)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        self.mlp = feed_forward(cfg, layer)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -1,5 +1,6 @@
 """The Llama family: Llama 2/3 (GQA, SwiGLU, llama3 RoPE scaling), Mistral, Qwen2 (qkv bias),
-Qwen3 (q/k RMSNorm). One pre-norm decoder layer covers them all."""
+Qwen3 (q/k RMSNorm), and the mixture-of-experts Mixtral and Qwen2-MoE (the MLP of their sparse
+layers is kvserve/model/moe.py's block). One pre-norm decoder layer covers them all."""
 from __future__ import annotations
 
 import torch
@@ -8,7 +9,8 @@ from torch import nn
 from kvserve.model.attention import Attention, AttentionMetadata, KeptRows, KVCache
 from kvserve.model.base import CausalLM
 from kvserve.model.config import ModelConfig
-from kvserve.model.layers import GatedMLP, RMSNorm
+from kvserve.model.layers import RMSNorm
+from kvserve.model.moe import feed_forward
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -17,7 +19,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.self_attn = Attention(cfg, layer, gemma_norm=False)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
+        self.mlp = feed_forward(cfg, layer, bias=cfg.mlp_bias)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -148,6 +148,9 @@ def check_shardable(cfg: ModelConfig, world: int) -> None:
     """Refuse, naming the field, a model whose heads or widths do not split over `world` ranks."""
     if cfg.mla:
         raise ValueError(f"tensor_parallel_size {world}: MLA models ({cfg.model_type}) are not supported")
+    if cfg.moe is not None:
+        raise ValueError(f"tensor_parallel_size {world}: mixture-of-experts models ({cfg.model_type}) are not "
+                         "supported")
     if cfg.kv_source is not None:
         raise ValueError(f"tensor_parallel_size {world}: models with cross-layer KV sharing (kv_source) are not "
                          "supported")

@@ -66,6 +66,25 @@ def _kv_share(source) -> int:
     return max(list(source).count(s) for s in set(source))
 
 
+def _shared_experts(c: dict) -> int:
+    """Shared experts in units of one routed expert: DeepSeek's n_shared_experts, or Qwen2-MoE's
+    one shared expert of shared_expert_intermediate_size (4 x 1408 in Qwen1.5-MoE-A2.7B)."""
+    if c.get("n_shared_experts"):
+        return int(c["n_shared_experts"])
+    if c.get("shared_expert_intermediate_size") and c.get("moe_intermediate_size"):
+        return round(int(c["shared_expert_intermediate_size"]) / int(c["moe_intermediate_size"]))
+    return 0
+
+
+def _dense_layers(c: dict, layers: int) -> int:
+    """Layers with a dense MLP: DeepSeek's first_k_dense_replace; Qwen2-MoE's mlp_only_layers
+    and the layers decoder_sparse_step skips."""
+    if c.get("first_k_dense_replace"):
+        return int(c["first_k_dense_replace"])
+    step, dense = int(c.get("decoder_sparse_step") or 1), set(c.get("mlp_only_layers") or ())
+    return sum(1 for i in range(layers) if i in dense or (i + 1) % step)
+
+
 def shape_from_hf_config(c: dict, name: str) -> ModelShape:
     """Map an HF config.json (Llama, Mistral, Qwen, Gemma 3, DeepSeek-V2/V3 MLA, Mixtral/Qwen MoE)
     onto a ModelShape. A multimodal config's `text_config` is used when present."""
@@ -90,9 +109,9 @@ def shape_from_hf_config(c: dict, name: str) -> ModelShape:
             rope_dim=int(c.get("qk_rope_head_dim") or 0) if kv_latent else 0,
             sliding_window=int(c["sliding_window"]) if n_sliding else None, sliding_layers=n_sliding,
             experts=experts, experts_per_token=int(c.get("num_experts_per_tok") or 0) if experts else 0,
-            shared_experts=int(c.get("n_shared_experts") or 0) if experts else 0,
+            shared_experts=_shared_experts(c) if experts else 0,
             expert_intermediate=int(c.get("moe_intermediate_size") or c["intermediate_size"]) if experts else 0,
-            dense_layers=int(c.get("first_k_dense_replace") or 0) if experts else 0,
+            dense_layers=_dense_layers(c, layers) if experts else 0,
             norms_per_layer=4 if gemma else 2, qk_norm=gemma or model_type.startswith("qwen3"),
             kv_share=_kv_share(c.get("kvserve_kv_source")),
         )
@@ -123,10 +142,19 @@ def shape_from_model_config(cfg, name: str) -> ModelShape:
         heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, vocab=cfg.vocab_size,
         tied_embeddings=cfg.tie_word_embeddings, sliding_window=cfg.sliding_window if n_sliding else None,
         sliding_layers=n_sliding, norms_per_layer=4 if cfg.family == "gemma3" else 2, qk_norm=cfg.qk_norm,
-        kv_share=_kv_share(cfg.kv_source),
+        kv_share=_kv_share(cfg.kv_source), **_moe_shape(cfg.moe, cfg.num_layers),
         mamba_layers=len(cfg.mamba_layers), mamba_heads=cfg.mamba_n_heads, mamba_head_dim=cfg.mamba_head_dim,
         mamba_groups=cfg.mamba_n_groups, mamba_state=cfg.mamba_d_state, mamba_conv=cfg.mamba_d_conv or 4,
     )
+
+
+def _moe_shape(moe, layers: int) -> dict:
+    """ModelShape's MoE fields of a ModelConfig.moe (a Mixtral GGUF, a loaded folder)."""
+    if moe is None:
+        return {}
+    return dict(experts=moe.num_experts, experts_per_token=moe.top_k, expert_intermediate=moe.intermediate_size,
+                shared_experts=round(moe.shared_intermediate_size / moe.intermediate_size),
+                dense_layers=layers - len(moe.layers))
 
 
 def _gguf_config(path: Path):
