@@ -198,8 +198,8 @@ def _add_serve_parser(sub) -> None:
     dp.add_argument("--router-balance-rel-threshold", type=float, default=1.5,
                     help="... and when max > this x min (%(default)s)")
     dp.add_argument("--ray-address", default=None,
-                    help="an existing Ray cluster (default: a Ray of this server's own: no dashboard, no usage stats, "
-                         "Ray's token authentication)")
+                    help="an existing Ray cluster (default: a Ray of this server's own, listening on 127.0.0.1 only, "
+                         "with no dashboard and no usage stats)")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     tools = srv.add_argument_group("tool calling")
     tools.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "none"],

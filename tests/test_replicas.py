@@ -358,6 +358,18 @@ def test_chat_and_stats_through_replicas(replicas, tiny_folder):
     assert chat.json()["usage"]["prompt_tokens"] == ref.json()["usage"]["prompt_tokens"]
 
 
+def test_the_local_ray_listens_on_the_loopback_only(replicas):
+    """Every socket the server's own Ray listens on (GCS, raylet, workers, agents, this driver's
+    core worker) is bound to the loopback, not to the host's addresses."""
+    me = psutil.Process()
+    pids = {me.pid} | {p.pid for p in me.children(recursive=True)}
+    listening = [c for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN and c.pid in pids]
+    assert len(listening) >= 4, listening  # at least the GCS, the raylet, a replica and the HTTP server
+    outside = [(c.laddr, psutil.Process(c.pid).name()) for c in listening
+               if c.laddr.ip not in ("127.0.0.1", "::1", "::ffff:127.0.0.1")]
+    assert not outside, outside
+
+
 def test_structured_outputs_and_embeddings_through_replicas(replicas, tiny_folder):
     """A choice constraint and an embedding run on a replica as on one engine (same text, same
     vector); a regex that cannot compile is a 400 naming the field, as with one engine."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 import ray
+from ray._private import ray_constants
 
 from kvserve.config import EngineConfig
 from kvserve.engine.async_engine import AsyncLLMEngine, RequestError
@@ -54,6 +55,8 @@ class EngineReplica:
     """The Serve deployment's class (one engine per replica)."""
 
     def __init__(self, config: EngineConfig, max_unread_tokens: int | None):
+        if not ray_constants.ENABLE_RAY_CLUSTER:  # the server's own single-node Ray (pool.start_ray)
+            _serve_grpc_on_loopback()
         self.engine = AsyncLLMEngine(LLMEngine(config), max_unread_tokens=max_unread_tokens)
         self.engine.start()
         self.incarnation = uuid.uuid4().hex
@@ -116,6 +119,25 @@ class EngineReplica:
             self.engine.abort_all()
         except Exception:
             pass
+
+
+def _serve_grpc_on_loopback() -> None:
+    """Serve starts each replica's inter-deployment gRPC server on all interfaces ("[::]:0",
+    fixed in its code) once the replica's class is built; in a single-node Ray, whose every other
+    server listens on 127.0.0.1, bind it there too (tests/test_replicas.py checks every socket)."""
+    from ray.serve._private import replica as serve_replica
+
+    bind = serve_replica.add_port_to_grpc_server
+    if getattr(bind, "loopback", False):
+        return
+
+    def loopback(server, address: str):
+        if address.startswith("[::]:"):
+            address = "127.0.0.1:" + address.rsplit(":", 1)[1]
+        return bind(server, address)
+
+    loopback.loopback = True
+    serve_replica.add_port_to_grpc_server = loopback
 
 
 def _actor_name() -> str | None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
+from ray._private import ray_constants
 from ray import serve
 
 from kvserve.config import EngineConfig
@@ -421,7 +422,7 @@ class RayRuntime:
 
 
 def start_ray(opts: ReplicaOptions) -> RayRuntime:
-    """ray.init + serve.start, local (no dashboard, no usage stats) or on a cluster."""
+    """ray.init + serve.start, local (loopback only, no dashboard, no usage stats) or on a cluster."""
     t0 = time.perf_counter()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # read by ray.init; workers inherit it
     started = False
@@ -433,6 +434,14 @@ def start_ray(opts: ReplicaOptions) -> RayRuntime:
             path = os.environ.get("PYTHONPATH", "")
             if root not in path.split(os.pathsep):
                 os.environ["PYTHONPATH"] = root + (os.pathsep + path if path else "")
+            # A single-node Ray: its node address stays 127.0.0.1 and its servers (GCS, raylet,
+            # workers, agents) listen on the loopback only. Without this Ray turns 127.0.0.1 into the
+            # host's reachable address and binds them on all interfaces (measured with `ss -ltnp`).
+            # The switch is Ray's single-machine mode (its default on macOS and Windows): read from the
+            # environment by the processes Ray starts, and from this constant in this process, where
+            # Ray may already have been imported.
+            os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+            ray_constants.ENABLE_RAY_CLUSTER = False
             # address="local": a Ray of its own, never one that `ray start` left running here.
             ray.init(address="local", num_cpus=opts.num_cpus or os.cpu_count() or 1, include_dashboard=False,
                      _node_ip_address="127.0.0.1", configure_logging=False, log_to_driver=True)
