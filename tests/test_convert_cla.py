@@ -18,7 +18,7 @@ from kvserve.model.config import FULL, SLIDING, kv_layer_groups
 from kvserve.model.layers import apply_rope
 from kvserve.tools.eval.ppl import window_hidden
 from tests.logits import all_position_logits
-from tests.tiny_models import VOCAB, make_model
+from tests.tiny_models import make_model, random_prompts
 
 MAX_NEW = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -42,8 +42,7 @@ def folders(tmp_path_factory):
 
 
 def _prompts(lengths, seed=3) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+    return random_prompts(lengths, seed)
 
 
 def reference_logits(loaded, ids: list[int]) -> torch.Tensor:

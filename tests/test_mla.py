@@ -19,7 +19,7 @@ from kvserve.model.config import FULL, ModelConfig, RopeConfig
 from kvserve.model.mla import MLAttention
 from kvserve.tools.analysis import roofline as rl
 from kvserve.tools.analysis.presets import shape_from_hf_config
-from tests.tiny_models import VOCAB, make_model
+from tests.tiny_models import VOCAB, hf_greedy, make_model, random_prompts
 
 MAX_NEW = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -38,15 +38,11 @@ def v3(tmp_path_factory):
 
 
 def _prompts(lengths, seed=11) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+    return random_prompts(lengths, seed)
 
 
 def _hf_greedy(hf, prompt: list[int], n: int = MAX_NEW) -> list[int]:
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                          max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    return hf_greedy(hf, prompt, n)
 
 
 def _pool(cfg, num_slots: int) -> KVCache:

@@ -30,7 +30,7 @@ from kvserve.tools.analysis.presets import shape_from_hf_config, shape_from_mode
 from kvserve.weights.ggml import GGMLLinear
 from kvserve.weights.half import HalfLinear
 from tests.test_gguf_llama import write_llama_gguf
-from tests.tiny_models import MOE_KINDS, VOCAB, make_model
+from tests.tiny_models import MOE_KINDS, VOCAB, hf_greedy, make_model, random_prompts
 
 MAX_NEW = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -50,15 +50,11 @@ def tiny(request, tmp_path_factory):
 
 
 def _prompts(lengths, seed=11) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+    return random_prompts(lengths, seed)
 
 
 def _hf_greedy(hf, prompt: list[int], n: int = MAX_NEW) -> list[int]:
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                          max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    return hf_greedy(hf, prompt, n)
 
 
 def _runner(loaded, num_blocks: int, block_size: int = 16) -> tuple[ModelRunner, KVCache]:

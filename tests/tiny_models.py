@@ -8,6 +8,20 @@ import torch
 VOCAB = 320
 
 
+def random_prompts(lengths, seed: int = 11) -> list[list[int]]:
+    """Token-id prompts of the given lengths over the tiny vocabulary (ids 0-2 are specials)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """HF generate's n greedy tokens after `prompt` (no end token: exactly n)."""
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
 def write_tokenizer(folder: Path) -> None:
     """A small byte-level BPE tokenizer.json trained in memory (no download)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -320,8 +320,9 @@ def log_memory(model: torch.nn.Module, cache: KVCache, states: StateCache | None
     pool, a hybrid model's recurrent state pool."""
     weights, copies = stored_weight_bytes(model), fast_path_nbytes(model)
     state = 0 if states is None else states.nbytes
-    log.info("memory: weights %.2f GB, fast-path copies %.2f GB, KV pool %.2f GB, state pool %.2f GB; %.2f GB in all",
-             weights / 1e9, copies / 1e9, cache.nbytes / 1e9, state / 1e9,
+    state_part = "" if states is None else f", state pool {state / 1e9:.2f} GB"
+    log.info("memory: weights %.2f GB, fast-path copies %.2f GB, KV pool %.2f GB%s; %.2f GB in all",
+             weights / 1e9, copies / 1e9, cache.nbytes / 1e9, state_part,
              (weights + copies + cache.nbytes + state) / 1e9)
 
 

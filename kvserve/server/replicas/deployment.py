@@ -15,6 +15,7 @@ from typing import AsyncIterator
 
 import ray
 from ray._private import ray_constants
+from ray.serve._private import replica as serve_replica
 
 from kvserve.config import EngineConfig
 from kvserve.engine.async_engine import AsyncLLMEngine, RequestError
@@ -125,8 +126,6 @@ def _serve_grpc_on_loopback() -> None:
     """Serve starts each replica's inter-deployment gRPC server on all interfaces ("[::]:0",
     fixed in its code) once the replica's class is built; in a single-node Ray, whose every other
     server listens on 127.0.0.1, bind it there too (tests/test_replicas.py checks every socket)."""
-    from ray.serve._private import replica as serve_replica
-
     bind = serve_replica.add_port_to_grpc_server
     if getattr(bind, "loopback", False):
         return
