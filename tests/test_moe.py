@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from torch import nn
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
@@ -161,6 +162,33 @@ def test_engine_ragged_chunked_preempted_n2(tiny):
     outs = small.generate(prompts, replace(GREEDY, n=2))
     assert [[c.token_ids for c in o.outputs] for o in outs] == [[r, r] for r in ref], kind
     assert small.engine.stats()["num_preemptions"] > 0
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_low_bit_experts_equal_their_dequantized_reference(tiny, weights):
+    """`--weights int8|int4` quantizes every expert (and shared expert) linear and leaves the router
+    (and MLA's kv_b_proj) in float; greedy tokens equal the same engine over a float model holding
+    the dequantized weights."""
+    import dataclasses
+
+    from kvserve.weights.linear import QuantLinear
+    from tests.test_weights_option import dequantized_copy
+
+    kind, folder, _ = tiny
+    llm = LLM(str(folder), weights=weights, kv_cache_gib=0.01, enable_prefix_caching=False)
+    model = llm.engine.loaded.model
+    for block in _moe_blocks(model).values():
+        experts = list(block.experts) + ([block.shared_experts] if block.shared_experts is not None else [])
+        linears = [m for e in experts for m in e.modules() if isinstance(m, (nn.Linear, QuantLinear))]
+        assert linears and all(isinstance(m, QuantLinear) for m in linears), kind
+        assert not any(isinstance(m, QuantLinear) for m in block.gate.modules()), kind
+    if kind.startswith("deepseek"):  # MLA's absorbed decode reads kv_b_proj's matrix: it stays float
+        assert all(isinstance(layer.self_attn.kv_b_proj, nn.Linear) for layer in model.layers), kind
+    ref = LLM(loaded=dataclasses.replace(llm.engine.loaded, model=dequantized_copy(model)), kv_cache_gib=0.01,
+              enable_prefix_caching=False)
+    prompts = _prompts([5, 17, 33])
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    assert got == [o.outputs[0].token_ids for o in ref.generate(prompts, GREEDY)], kind
 
 
 def test_seeded_n2_sampling_same_in_any_batch(tiny):

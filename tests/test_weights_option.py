@@ -39,11 +39,13 @@ class DequantizedLinear(nn.Module):
 
 def dequantized_copy(model: nn.Module) -> nn.Module:
     ref = copy.deepcopy(model)
-    for name, m in list(ref.named_modules()):
-        if isinstance(m, QuantLinear):
-            parent, _, leaf = name.rpartition(".")
-            setattr(ref.get_submodule(parent) if parent else ref, leaf, DequantizedLinear(m))
-    return ref  # the QuantEmbedding keeps its lookup: it already reads dequantized rows exactly
+    for name, m in list(ref.named_modules(remove_duplicate=False)):
+        parent, _, leaf = name.rpartition(".")
+        owner = ref.get_submodule(parent) if parent else ref
+        # A tied QuantEmbedding keeps its source: its lookup already reads dequantized rows exactly.
+        if isinstance(m, QuantLinear) and not isinstance(owner, QuantEmbedding):
+            setattr(owner, leaf, DequantizedLinear(m))
+    return ref
 
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])

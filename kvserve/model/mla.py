@@ -36,6 +36,10 @@ class MLAttention(nn.Module):
     """MLA with HF DeepSeek-V2/V3 parameter names (q_proj or q_a_proj/q_a_layernorm/q_b_proj,
     kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj)."""
 
+    # Linears whose weight matrix the layer reads itself (the absorbed decode splits kv_b_proj
+    # into W_UK and W_UV): weight quantizers leave them in float.
+    weight_read = ("kv_b_proj",)
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         if not cfg.mla:

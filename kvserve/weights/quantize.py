@@ -71,6 +71,12 @@ def linear_layers(module: nn.Module) -> list[tuple[str, nn.Linear]]:
     return [(n, m) for n, m in module.named_modules() if isinstance(m, nn.Linear)]
 
 
+def weight_read(module: nn.Module) -> set[str]:
+    """Names of the linears inside `module` that a layer reads as a matrix rather than calls (a
+    module's `weight_read`, e.g. MLA's kv_b_proj): they stay float."""
+    return {f"{n}.{leaf}" if n else leaf for n, m in module.named_modules() for leaf in getattr(m, "weight_read", ())}
+
+
 def _tensor_bytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
@@ -122,9 +128,10 @@ def quantize_blocks(model: nn.Module, quantizer: LayerQuantizer, spec: QuantSpec
                                        disable=not progress)):
             if prepare is not None:
                 prepare(model, i)
+            read = weight_read(block)
             for name, lin in linear_layers(block):
                 full = f"layers.{i}.{name}"
-                if any(s in full for s in skip):
+                if any(s in full for s in skip) or name in read:
                     continue
                 stats = stats_fn(i, name) if stats_fn is not None and quantizer.needs_calibration else None
                 q, mse = quantize_linear(lin.weight, lin.bias, quantizer, stats, act, kernel)
