@@ -20,7 +20,7 @@ from kvserve.loading.footprint import state_pool_footprint
 from kvserve.model.attention import KVCache
 from kvserve.model.state_cache import StateCache
 from kvserve.sequence import Sequence
-from tests.tiny_models import VOCAB, make_model
+from tests.tiny_models import hf_greedy, make_model, random_prompts
 
 LOGIT_TOL = 1e-4  # max abs logit difference to HF (fp32)
 # Page bytes of the tiny model: one attention layer x 2 KV heads x (16 + 16) x 4 B x 16 tokens.
@@ -32,18 +32,6 @@ def tiny(tmp_path_factory):
     folder = tmp_path_factory.mktemp("bamba")
     hf = make_model("bamba", folder)
     return folder, hf
-
-
-def prompts(lengths, seed=11) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
-
-
-def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                          max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def hf_logits(hf, ids: list[int]) -> torch.Tensor:
@@ -77,7 +65,7 @@ def test_prompt_logits_match_hf_in_chunks(tiny):
     folder, hf = tiny
     loaded = load_model(folder)
     assert loaded.config.family == "bamba" and loaded.config.mamba_layers == (0, 2, 3)
-    ids = prompts([40])[0]
+    ids = random_prompts([40])[0]
     ref = hf_logits(hf, ids)
     for cuts in ([0, 40], [0, 5, 6, 20, 21, 22, 40], [0, 1, 2, 3, 17, 33, 40]):
         ours = chunked_logits(loaded, ids, cuts)
@@ -89,7 +77,7 @@ def test_engine_greedy_ragged_chunked_matches_hf(tiny):
     """A ragged batch of prompts, prefilled in chunks of at most 16 tokens beside running decodes."""
     folder, hf = tiny
     llm = LLM(str(folder), kv_cache_gib=0.01, max_num_batched_tokens=16)
-    ps = prompts([5, 17, 30, 9])
+    ps = random_prompts([5, 17, 30, 9])
     outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     for p, out in zip(ps, outs):
         assert out.outputs[0].token_ids == hf_greedy(hf, p, 20)
@@ -101,7 +89,7 @@ def test_engine_logprobs_match_hf(tiny):
     """Prompt logprobs (chunked prefill rows) and sampled tokens' logprobs against HF's log-softmax."""
     folder, hf = tiny
     llm = LLM(str(folder), kv_cache_gib=0.01, max_num_batched_tokens=12)
-    p = prompts([26])[0]
+    p = random_prompts([26])[0]
     out = llm.generate([p], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1,
                                            prompt_logprobs=1))[0]
     full = p + out.outputs[0].token_ids
@@ -120,7 +108,7 @@ def test_engine_bf16_stays_near_hf_fp32(tiny):
     llm = LLM(str(folder), kv_cache_gib=0.01, max_num_batched_tokens=12, dtype="bfloat16")
     assert llm.engine.state_cache.conv[0].dtype == torch.bfloat16
     assert llm.engine.state_cache.ssm[0].dtype == torch.float32
-    p = prompts([26])[0]
+    p = random_prompts([26])[0]
     out = llm.generate([p], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1,
                                            prompt_logprobs=1))[0]
     full = p + out.outputs[0].token_ids
@@ -136,7 +124,7 @@ def test_engine_preemption_recomputes_state(tiny):
     folder, hf = tiny
     llm = LLM(str(folder), kv_cache_gib=8 * PAGE_BYTES / 2**30, max_num_batched_tokens=16)
     assert llm.engine.num_blocks == 8
-    ps = prompts([30, 25, 28], seed=3)
+    ps = random_prompts([30, 25, 28], seed=3)
     outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     stats = llm.engine.stats()
     assert stats["num_preemptions"] > 0
@@ -151,7 +139,7 @@ def test_n2_forks_the_state(tiny):
     seed (seed + index), so the child's copied state is exactly the parent's."""
     folder, _ = tiny
     llm = LLM(str(folder), kv_cache_gib=0.01, max_num_batched_tokens=16)
-    p = prompts([21], seed=5)[0]
+    p = random_prompts([21], seed=5)[0]
     both = llm.generate([p], SamplingParams(n=2, temperature=1.0, seed=42, max_tokens=16, ignore_eos=True))[0]
     one = [llm.generate([p], SamplingParams(temperature=1.0, seed=s, max_tokens=16, ignore_eos=True))[0]
            for s in (42, 43)]
@@ -163,7 +151,7 @@ def test_n2_forks_the_state(tiny):
 
 def test_no_kv_cache_same_tokens(tiny):
     folder, hf = tiny
-    p = prompts([20], seed=9)[0]
+    p = random_prompts([20], seed=9)[0]
     out = LLM(str(folder), kv_cache_gib=0.01, use_kv_cache=False).generate(
         [p], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
     assert out.outputs[0].token_ids == hf_greedy(hf, p, 10)
@@ -179,7 +167,7 @@ def test_abort_and_finish_give_every_slot_back(tiny):
     engine = llm.engine
     assert engine.stats()["state_slots_total"] == 4
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in prompts([12, 15, 20, 9, 11], seed=4)]
+    ids = [engine.add_request(p, params) for p in random_prompts([12, 15, 20, 9, 11], seed=4)]
     for _ in range(10):  # chunked prefill admits them over a few steps
         engine.step()
         if engine.scheduler.num_running == 4:
@@ -215,7 +203,7 @@ def test_failed_pass_restores_the_states(tiny, monkeypatch):
         return real(x, rec)
 
     monkeypatch.setattr(mixer, "forward", flaky)
-    ps = prompts([7, 10], seed=8)
+    ps = random_prompts([7, 10], seed=8)
     outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert calls["n"] > 4
     for p, out in zip(ps, outs):
@@ -268,7 +256,7 @@ def test_engine_turns_prefix_caching_off(tiny, caplog):
         llm = LLM(str(folder), kv_cache_gib=0.01, enable_prefix_caching=True)
     assert "prefix caching is off" in caplog.text
     assert not llm.engine.block_manager.enable_prefix_caching
-    p = prompts([40], seed=6)[0]
+    p = random_prompts([40], seed=6)[0]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     first = llm.generate([p], params)[0].outputs[0].token_ids
     again = llm.generate([p], params)[0].outputs[0].token_ids
