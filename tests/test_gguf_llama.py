@@ -55,6 +55,7 @@ _GGUF_NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
 }
 
 
@@ -90,8 +91,9 @@ def _gguf_name(hf_name: str) -> str:
 
 def write_llama_gguf(model, tokenizer_json: Path, out: Path, qtype: str, pre: str,
                      chat_template: str | None = None, arch: str = "llama") -> None:
-    """`arch` "qwen2moe": a Qwen2MoeForCausalLM as llama.cpp writes it (q/k rows not permuted,
-    the expert widths as their own keys)."""
+    """`arch` "qwen2" / "qwen3" / "qwen2moe": those families as llama.cpp writes them (q/k rows not
+    permuted; qwen2moe's expert widths as their own keys). A llama3 rope scaling becomes the
+    rope_freqs tensor, as llama.cpp writes Llama 3.1+."""
     import gguf
 
     cfg = model.config
@@ -111,7 +113,14 @@ def write_llama_gguf(model, tokenizer_json: Path, out: Path, qtype: str, pre: st
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_file_type(int(ftype))
     w.add_vocab_size(cfg.vocab_size)
-    w.add_rope_dimension_count(getattr(cfg, "head_dim", None) or cfg.hidden_size // n_head)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_head
+    w.add_rope_dimension_count(head_dim)
+    if head_dim != cfg.hidden_size // n_head:  # (Qwen3)
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    rope = cfg.rope_parameters
+    if rope.get("rope_type", "default") == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_freq_factors(rope, head_dim))
     if getattr(cfg, "num_local_experts", None):  # Mixtral, as llama.cpp writes it: a llama file with experts
         w.add_expert_count(cfg.num_local_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
@@ -162,6 +171,20 @@ def write_llama_gguf(model, tokenizer_json: Path, out: Path, qtype: str, pre: st
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def llama3_freq_factors(rope: dict, head_dim: int) -> np.ndarray:
+    """What each rotary frequency is divided by under HF's llama3 rule (f32 [head_dim / 2]), the
+    values llama.cpp's converter stores as rope_freqs: 1 for short wavelengths, `factor` for long
+    ones, a blend between."""
+    freqs = 1.0 / rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / freqs
+    old, low, high, factor = (rope["original_max_position_embeddings"], rope["low_freq_factor"],
+                              rope["high_freq_factor"], rope["factor"])
+    smooth = (old / wavelen - low) / (high - low)
+    blended = 1 / ((1 - smooth) / factor + smooth)
+    out = np.where(wavelen < old / high, 1.0, np.where(wavelen > old / low, factor, blended))
+    return out.astype(np.float32)
 
 
 @pytest.fixture(scope="module", params=list(CASES))

@@ -26,7 +26,7 @@ from kvserve.model.config import FULL, SLIDING, ModelConfig, MoEConfig, RopeConf
 from kvserve.weights.embedding import QuantEmbedding
 from kvserve.weights.ggml import GGMLLinear, row_bytes
 
-SUPPORTED_ARCHS = ("gemma3", "llama", "qwen2moe")
+SUPPORTED_ARCHS = ("gemma3", "llama", "qwen2", "qwen3", "qwen2moe")
 
 # GGUF tensor name (after "blk.N.") -> our parameter name (after "layers.N.")
 _LAYER_NAMES = {
@@ -59,9 +59,12 @@ _FAMILY_LAYER_NAMES = {
     },
     "llama": {"ffn_norm": "post_attention_layernorm"},
 }
-# llama.cpp permutes q/k rows for its interleaved RoPE in these architectures only (Qwen2-MoE
-# uses the half rotation as stored)
+# llama.cpp permutes q/k rows for its interleaved RoPE in these architectures only (Qwen2, Qwen3
+# and Qwen2-MoE use the half rotation as stored)
 _PERMUTED_QK = ("llama",)
+# Tensors that are part of the configuration, not parameters: Llama 3.1+'s RoPE frequency
+# divisors (read by _rope_freq_factors)
+_CONFIG_TENSORS = ("rope_freqs.weight",)
 _GLOBAL_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
 
 
@@ -171,7 +174,10 @@ def _read_gguf_config(reader, path: Path) -> ModelConfig:
             **common,
         )
     if "rope_freqs.weight" in names:
-        raise ModelLoadError(path, "rope_freqs (llama3 frequency factors) in GGUF is not supported yet")
+        if scaling is not None:
+            raise ModelLoadError(path, f"rope_freqs.weight and {arch}.rope.scaling.type {kind!r} together are not "
+                                       "supported")
+        scaling = (("factors", _rope_freq_factors(reader, head_dim, path)), ("rope_type", "freq_factors"))
     return ModelConfig(
         family="llama",
         layer_types=[FULL] * n_layers,
@@ -183,6 +189,20 @@ def _read_gguf_config(reader, path: Path) -> ModelConfig:
         moe=_gguf_moe(meta, arch, n_layers, common["intermediate_size"], path),
         **common,
     )
+
+
+def _rope_freq_factors(reader, head_dim: int, path: Path) -> tuple[float, ...]:
+    """rope_freqs.weight: what each rotary frequency is divided by (llama.cpp writes Llama 3.1+'s
+    llama3 scaling this way, [head_dim / 2] F32), as a tuple of positive floats."""
+    t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+    try:
+        f = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float64).reshape(-1)
+    except Exception as e:
+        raise ModelLoadError(path, f"cannot read tensor 'rope_freqs.weight' ({e})") from None
+    if f.shape != (head_dim // 2,) or not (np.isfinite(f) & (f > 0)).all():
+        raise ModelLoadError(path, f"rope_freqs.weight must hold {head_dim // 2} positive values (head_dim / 2), "
+                                   f"got {f.size}")
+    return tuple(float(v) for v in f)
 
 
 def _gguf_moe(meta, arch: str, n_layers: int, intermediate: int, path: Path) -> MoEConfig | None:
@@ -249,6 +269,8 @@ def gguf_state_dict(reader, cfg: ModelConfig, path: Path) -> dict[str, torch.Ten
     """Every tensor dequantized to fp32, under our parameter names."""
     sd: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
+        if t.name in _CONFIG_TENSORS:
+            continue
         experts = _expert_names(t.name, cfg.moe.num_experts if cfg.moe else 0)
         if experts is not None:
             sd.update(_dequantized_experts(t, experts, cfg, path))
@@ -360,6 +382,8 @@ def load_gguf_blocks(path: Path, dtype: torch.dtype, activations: str = "int8"
     plain: dict[str, torch.Tensor] = {}
     modules: dict[str, nn.Module] = {}
     for t in index:
+        if t["name"] in _CONFIG_TENSORS:
+            continue
         data = mapped[t["offset"]:t["offset"] + t["bytes"]]
         experts = _expert_names(t["name"], cfg.moe.num_experts if cfg.moe else 0)
         if experts is not None:

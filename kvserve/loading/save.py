@@ -51,6 +51,9 @@ def hf_config_dict(cfg) -> dict:
     rope = {}
     for t, r in cfg.rope.items():
         entry = dict(r.scaling_dict or {"rope_type": "default"})
+        if entry.get("rope_type") == "freq_factors":
+            raise ValueError("cannot write an HF config for RoPE frequency factors (a GGUF's rope_freqs tensor): "
+                             "transformers has no such rope_type; write the model from its HF checkpoint")
         entry["rope_theta"] = r.theta
         rope[t] = entry
     if not gemma:  # one rotary for every layer: transformers reads the flat form for these families

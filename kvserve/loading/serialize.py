@@ -12,12 +12,16 @@ def config_to_dict(cfg: ModelConfig) -> dict:
     return d
 
 
+def _scaling(raw: dict | None) -> tuple | None:
+    """RopeConfig.scaling from its JSON form (lists, such as freq_factors' factors, as tuples)."""
+    if not raw:
+        return None
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in raw.items()))
+
+
 def config_from_dict(d: dict) -> ModelConfig:
     d = dict(d)
-    d["rope"] = {
-        t: RopeConfig(r["theta"], tuple(sorted(r["scaling"].items())) if r["scaling"] else None)
-        for t, r in d["rope"].items()
-    }
+    d["rope"] = {t: RopeConfig(r["theta"], _scaling(r["scaling"])) for t, r in d["rope"].items()}
     if d.get("moe") is not None:
         d["moe"] = MoEConfig(**d["moe"])
     fields = {f.name for f in dataclasses.fields(ModelConfig)}

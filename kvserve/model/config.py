@@ -20,11 +20,14 @@ class RopeConfig:
 
     `scaling` is None (default RoPE) or a dict as in HF's `rope_scaling`, e.g.
     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192} or {"rope_type": "linear", "factor": 8.0}.
+    "original_max_position_embeddings": 8192} or {"rope_type": "linear", "factor": 8.0}, or
+    {"rope_type": "freq_factors", "factors": (f_0, ..., f_{head_dim/2 - 1})}: each inverse frequency
+    divided by its factor (a GGUF's rope_freqs tensor, which is how llama.cpp stores Llama 3.1+'s
+    llama3 scaling).
     """
 
     theta: float
-    scaling: tuple[tuple[str, float | str], ...] | None = None
+    scaling: tuple[tuple[str, float | str | tuple[float, ...]], ...] | None = None
 
     @property
     def scaling_dict(self) -> dict | None:

@@ -115,6 +115,12 @@ def rope_inv_freq(cfg: RopeConfig, head_dim: int) -> torch.Tensor:
         return inv_freq
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
+    if kind == "freq_factors":  # a GGUF's rope_freqs: each frequency's divisor, given
+        factors = torch.tensor(scaling["factors"], dtype=torch.float32, device="cpu")
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"rope freq_factors: {factors.numel()} values for head_dim {head_dim} "
+                             f"(needs {inv_freq.numel()})")
+        return inv_freq / factors
     if kind == "llama3":
         factor = float(scaling["factor"])
         low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
@@ -127,7 +133,7 @@ def rope_inv_freq(cfg: RopeConfig, head_dim: int) -> torch.Tensor:
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(medium, blended, scaled)
-    raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+    raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3, freq_factors)")
 
 
 class RotaryEmbedding(nn.Module):
