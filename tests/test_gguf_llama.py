@@ -91,8 +91,8 @@ def _gguf_name(hf_name: str) -> str:
 
 def write_llama_gguf(model, tokenizer_json: Path, out: Path, qtype: str, pre: str,
                      chat_template: str | None = None, arch: str = "llama") -> None:
-    """`arch` "qwen2" / "qwen3" / "qwen2moe": those families as llama.cpp writes them (q/k rows not
-    permuted; qwen2moe's expert widths as their own keys). A llama3 rope scaling becomes the
+    """`arch` "qwen2" / "qwen3" / "qwen2moe" / "qwen3moe": those families as llama.cpp writes them (q/k rows not
+    permuted; the MoE expert widths as their own keys). A llama3 rope scaling becomes the
     rope_freqs tensor, as llama.cpp writes Llama 3.1+."""
     import gguf
 
@@ -124,10 +124,11 @@ def write_llama_gguf(model, tokenizer_json: Path, out: Path, qtype: str, pre: st
     if getattr(cfg, "num_local_experts", None):  # Mixtral, as llama.cpp writes it: a llama file with experts
         w.add_expert_count(cfg.num_local_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
-    if arch == "qwen2moe":
+    if arch in ("qwen2moe", "qwen3moe"):
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if arch == "qwen2moe":
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
 
     # Vocabulary as llama.cpp's _set_vocab_gpt2: tokens by id, special added tokens CONTROL.

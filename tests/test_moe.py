@@ -78,7 +78,8 @@ def _moe_blocks(model) -> dict[int, SparseMoeBlock]:
 
 
 # ---------------------------------------------------------------- HF exactness
-EXPECTED_LAYERS = {"mixtral": (0, 1, 2), "qwen2_moe": (0, 2), "deepseek_v2_moe": (1, 2), "deepseek_v3_moe": (1, 2)}
+EXPECTED_LAYERS = {"mixtral": (0, 1, 2), "qwen2_moe": (0, 2), "qwen3_moe": (0, 2), "deepseek_v2_moe": (1, 2),
+                   "deepseek_v3_moe": (1, 2)}
 
 
 def test_prompt_logits_match_hf(tiny):
@@ -346,6 +347,7 @@ def test_deepseek_without_moe_layers_is_dense(folders, tmp_path):
     ("qwen2_moe", {"num_experts_per_tok": 7}, "num_experts_per_tok"),
     ("qwen2_moe", {"moe_intermediate_size": None}, "moe_intermediate_size"),
     ("qwen2_moe", {"mlp_only_layers": "1"}, "mlp_only_layers"),
+    ("qwen3_moe", {"num_experts_per_tok": 9}, "num_experts_per_tok"),
     ("mixtral", {"num_local_experts": 0}, "num_local_experts"),
 ])
 def test_unsupported_routing_refused_naming_the_field(folders, tmp_path, kind, changes, words):
@@ -420,27 +422,31 @@ def test_gguf_q8_experts_run_as_blocks(mixtral_gguf):
     assert (_prefill_logits(int8, ids) - want).abs().max().item() < 0.05 * want.abs().max().item()
 
 
+@pytest.mark.parametrize("arch", ["qwen2moe", "qwen3moe"])
 @pytest.mark.parametrize("qtype,blocks", [("F32", False), ("F32", True), ("Q8_0", True)])
-def test_gguf_qwen2moe(tmp_path, qtype, blocks, monkeypatch):
-    """Qwen2-MoE as llama.cpp's qwen2moe architecture (q/k/v biases, q/k not permuted, shared
-    expert with its sigmoid gate): F32 loads give HF's logits; Q8_0 experts and shared expert run
-    as blocks with the dequantized file's logits (float activations)."""
+def test_gguf_qwen_moe(tmp_path, arch, qtype, blocks, monkeypatch):
+    """Qwen2-MoE and Qwen3-MoE as llama.cpp's qwen2moe / qwen3moe architectures (q/k not permuted;
+    qwen2moe: q/k/v biases and a shared expert with its sigmoid gate; qwen3moe: q/k norms and
+    renormalised top-k weights): F32 loads give HF's logits; Q8_0 experts (and the shared expert)
+    run as blocks with the dequantized file's logits (float activations)."""
     monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path / "cache"))
-    hf = make_model("qwen2_moe", tmp_path, mlp_only_layers=[])  # llama.cpp's qwen2moe: every layer sparse
-    path = tmp_path / f"tiny-qwen2moe-{qtype}.gguf"
-    write_llama_gguf(hf, tmp_path / "tokenizer.json", path, qtype, "default", arch="qwen2moe")
+    qwen2 = arch == "qwen2moe"
+    # llama.cpp's qwen MoE files: every layer sparse
+    hf = make_model("qwen2_moe" if qwen2 else "qwen3_moe", tmp_path, mlp_only_layers=[])
+    path = tmp_path / f"tiny-{arch}-{qtype}.gguf"
+    write_llama_gguf(hf, tmp_path / "tokenizer.json", path, qtype, "default", arch=arch)
     loaded = load_model(path, gguf_blocks=blocks, gguf_activations="float")
     moe = loaded.config.moe
     assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.shared_intermediate_size, moe.layers,
-            moe.norm_topk_prob, moe.shared_expert_gate) == (6, 2, 32, 64, (0, 1, 2), False, True)
-    assert loaded.config.qkv_bias
+            moe.norm_topk_prob, moe.shared_expert_gate) == (6, 2, 32, 64 if qwen2 else 0, (0, 1, 2), not qwen2, qwen2)
+    assert (loaded.config.qkv_bias, loaded.config.qk_norm) == (qwen2, not qwen2)
     ids = _prompts([40], seed=7)[0]
     ours = _prefill_logits(loaded, ids)
     if qtype == "F32":
         with torch.no_grad():
             want = hf(torch.tensor([ids])).logits[0].float()
     else:
-        shared = [b.shared_experts.down_proj for b in _moe_blocks(loaded.model).values()]
+        shared = [b.shared_experts.down_proj for b in _moe_blocks(loaded.model).values() if qwen2]
         assert all(type(e) is GGMLLinear for e in _experts_of(loaded.model) + shared)
         want = _prefill_logits(load_model(path), ids)
     assert (ours - want).abs().max().item() < LOGIT_TOL

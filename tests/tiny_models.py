@@ -70,6 +70,9 @@ def make_config(kind: str):
     if kind == "qwen2_moe":  # layer 1 dense (mlp_only_layers), layers 0 and 2 MoE with a gated shared expert
         return tf.Qwen2MoeConfig(**common, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
                                  shared_expert_intermediate_size=64, mlp_only_layers=[1], norm_topk_prob=False)
+    if kind == "qwen3_moe":  # q/k norms, no shared expert, renormalised top-k; layer 1 dense
+        return tf.Qwen3MoeConfig(**common, head_dim=32, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                                 mlp_only_layers=[1], norm_topk_prob=True)
     # layer 0 dense, layers 1 and 2 MoE with a shared expert; V2 routes within the best group of two experts
     # (topk_group 1, so the group limit changes choices), V3 within the best two groups (by each group's
     # two biased scores)
@@ -85,7 +88,7 @@ def make_config(kind: str):
     raise ValueError(kind)
 
 
-MOE_KINDS = ("mixtral", "qwen2_moe", "deepseek_v2_moe", "deepseek_v3_moe")
+MOE_KINDS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2_moe", "deepseek_v3_moe")
 
 
 def _randomize_routers(model) -> None:

@@ -26,7 +26,7 @@ from kvserve.model.config import FULL, SLIDING, ModelConfig, MoEConfig, RopeConf
 from kvserve.weights.embedding import QuantEmbedding
 from kvserve.weights.ggml import GGMLLinear, row_bytes
 
-SUPPORTED_ARCHS = ("gemma3", "llama", "qwen2", "qwen3", "qwen2moe")
+SUPPORTED_ARCHS = ("gemma3", "llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
 
 # GGUF tensor name (after "blk.N.") -> our parameter name (after "layers.N.")
 _LAYER_NAMES = {
@@ -59,8 +59,8 @@ _FAMILY_LAYER_NAMES = {
     },
     "llama": {"ffn_norm": "post_attention_layernorm"},
 }
-# llama.cpp permutes q/k rows for its interleaved RoPE in these architectures only (Qwen2, Qwen3
-# and Qwen2-MoE use the half rotation as stored)
+# llama.cpp permutes q/k rows for its interleaved RoPE in these architectures only (the Qwen
+# families use the half rotation as stored)
 _PERMUTED_QK = ("llama",)
 # Tensors that are part of the configuration, not parameters: Llama 3.1+'s RoPE frequency
 # divisors (read by _rope_freq_factors)
@@ -207,12 +207,12 @@ def _rope_freq_factors(reader, head_dim: int, path: Path) -> tuple[float, ...]:
 
 def _gguf_moe(meta, arch: str, n_layers: int, intermediate: int, path: Path) -> MoEConfig | None:
     """Experts in every layer, routed softmax top-k as llama.cpp computes them: a llama file
-    (Mixtral) renormalises the top-k weights; qwen2moe does not, and adds a shared expert of
-    expert_shared_feed_forward_length scaled by sigmoid(ffn_gate_inp_shexp . x)."""
+    (Mixtral) and qwen3moe renormalise the top-k weights; qwen2moe does not, and adds a shared
+    expert of expert_shared_feed_forward_length scaled by sigmoid(ffn_gate_inp_shexp . x)."""
     experts = meta("expert_count", 0, kind=int)
     if experts == 0:
-        if arch == "qwen2moe":
-            raise ModelLoadError(path, "GGUF metadata qwen2moe.expert_count is missing or 0")
+        if arch in ("qwen2moe", "qwen3moe"):
+            raise ModelLoadError(path, f"GGUF metadata {arch}.expert_count is missing or 0")
         return None
     used = meta("expert_used_count", 0, kind=int)
     if not 0 < used <= experts:
@@ -223,6 +223,9 @@ def _gguf_moe(meta, arch: str, n_layers: int, intermediate: int, path: Path) -> 
         return MoEConfig(num_experts=experts, top_k=used, intermediate_size=meta("expert_feed_forward_length", kind=int),
                          layers=layers, shared_intermediate_size=meta("expert_shared_feed_forward_length", kind=int),
                          shared_expert_gate=True)
+    if arch == "qwen3moe":
+        return MoEConfig(num_experts=experts, top_k=used, intermediate_size=meta("expert_feed_forward_length", kind=int),
+                         layers=layers, norm_topk_prob=True)
     return MoEConfig(num_experts=experts, top_k=used, intermediate_size=intermediate, layers=layers,
                      norm_topk_prob=True)
 

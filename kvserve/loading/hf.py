@@ -12,9 +12,9 @@ from kvserve.loading.tensors import TensorFiles
 from kvserve.model.config import FULL, MAMBA, SLIDING, ModelConfig, MoEConfig, RopeConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "deepseek_v2", "deepseek_v3",
-                         "mixtral", "qwen2_moe", "bamba")
+                         "mixtral", "qwen2_moe", "qwen3_moe", "bamba")
 MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
-_MOE_TYPES = ("mixtral", "qwen2_moe")
+_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 # Per model type: (pattern, replacement) of HF tensor names (after "model.") to ours.
 _RENAMES = {
     "mixtral": ((re.compile(r"\.block_sparse_moe\.gate\."), ".mlp.gate."),
@@ -69,7 +69,7 @@ def layer_types_of(c: dict, model_type: str, n_layers: int) -> list[str]:
         return [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(n_layers)]
     if model_type in ("mistral", "mixtral") and c.get("sliding_window"):
         return [SLIDING] * n_layers
-    if model_type in ("qwen2", "qwen3", "qwen2_moe") and c.get("use_sliding_window"):
+    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and c.get("use_sliding_window"):
         start = int(c.get("max_window_layers", n_layers))
         return [SLIDING if i >= start else FULL for i in range(n_layers)]
     return [FULL] * n_layers
@@ -201,19 +201,22 @@ def _moe_fields(c: dict, cfg_path: Path, model_type: str, n_layers: int) -> dict
     if model_type == "mixtral":
         moe = dict(num_experts=_positive(c, cfg_path, "num_local_experts"),
                    intermediate_size=int(c["intermediate_size"]), layers=tuple(layers), norm_topk_prob=True)
-    elif model_type == "qwen2_moe":
-        if c.get("num_experts") == 0:
+    elif model_type in ("qwen2_moe", "qwen3_moe"):  # Qwen3-MoE: no shared expert
+        if c.get("num_experts", c.get("num_local_experts")) == 0:
             return {}  # every layer dense
         step = _positive(c, cfg_path, "decoder_sparse_step", 1)
         only_dense = c.get("mlp_only_layers") or []
         if not isinstance(only_dense, list) or not all(isinstance(i, int) for i in only_dense):
             raise ModelLoadError(cfg_path, f"mlp_only_layers must be a list of layer indices, got {only_dense!r}")
-        moe = dict(num_experts=_positive(c, cfg_path, "num_experts"),
+        # Qwen3-MoE checkpoints name the count num_experts; transformers 5 writes num_local_experts
+        count = "num_local_experts" if "num_experts" not in c and "num_local_experts" in c else "num_experts"
+        moe = dict(num_experts=_positive(c, cfg_path, count),
                    intermediate_size=_positive(c, cfg_path, "moe_intermediate_size"),
                    layers=tuple(i for i in layers if i not in only_dense and (i + 1) % step == 0),
-                   norm_topk_prob=bool(c.get("norm_topk_prob", False)),
-                   shared_intermediate_size=_positive(c, cfg_path, "shared_expert_intermediate_size"),
-                   shared_expert_gate=True)
+                   norm_topk_prob=bool(c.get("norm_topk_prob", False)))
+        if model_type == "qwen2_moe":
+            moe.update(shared_intermediate_size=_positive(c, cfg_path, "shared_expert_intermediate_size"),
+                       shared_expert_gate=True)
     else:  # DeepSeek-V2 / V3
         dense, freq = int(c.get("first_k_dense_replace") or 0), _positive(c, cfg_path, "moe_layer_freq", 1)
         sparse = tuple(i for i in layers if i >= dense and i % freq == 0)
@@ -305,7 +308,7 @@ def read_hf_config(folder: Path) -> ModelConfig:
             bool(c.get("attention_bias", model_type == "qwen2")),
             o_bias=bool(c.get("attention_bias", False)) and model_type not in ("qwen2", "qwen2_moe"),
             mlp_bias=bool(c.get("mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", gemma)),
             final_logit_softcapping=c.get("final_logit_softcapping"),
             bos_token_id=c.get("bos_token_id"),
