@@ -50,11 +50,15 @@ def _add_weights_arg(p: argparse.ArgumentParser) -> None:
                    help="float: as loaded, in --dtype (fp32: the same, for --dtype float32); int8 / int4: RTN-quantize "
                         "every linear, the LM head and the embedding at start (int8 per channel, int4 groups of 128) "
                         "onto kvserve's C int8 / int4 kernels on CPU (PyTorch's without a C compiler); gguf: a .gguf "
-                        "file's own quantized blocks (Q4_0..Q8_0, Q2_K..Q6_K, F16), memory-mapped, no float copy")
+                        "file's own quantized blocks (Q4_0..Q8_0, Q2_K..Q6_K, F16), no float copy")
     p.add_argument("--gguf-activations", default="int8", choices=["int8", "float"],
                    help="--weights gguf: int8 quantizes each activation row per 32 values for integer dot products "
                         "with the blocks (llama.cpp's arithmetic, the fast path); float computes the float model's "
                         "products exactly (slower)")
+    p.add_argument("--gguf-mmap", action="store_true",
+                   help="--weights gguf: compute from the memory-mapped file's pages (shared with other processes "
+                        "serving the same file through the page cache) instead of reading the blocks into this "
+                        "process's memory in 2 MB pages (the default; faster decode on large files)")
     p.add_argument("--no-pack-weights", dest="pack_weights", action="store_false",
                    help="CPU fp32: do not keep the packed copy of the weights for decode steps nor the int8 screen "
                         "of the LM head for greedy tokens (saves one copy of the fp32 weights and a quarter of the "
@@ -91,7 +95,7 @@ def decoding_config(args: argparse.Namespace) -> dict:
                 self_draft_bits=args.self_draft_bits,
                 attention_sinks=args.attention_sinks, streaming_window=args.streaming_window,
                 kv_cache_dtype=args.kv_cache_dtype, weights=args.weights, gguf_activations=args.gguf_activations,
-                pack_weights=args.pack_weights,
+                gguf_mmap=args.gguf_mmap, pack_weights=args.pack_weights,
                 compile=args.compile, enforce_eager=args.enforce_eager,
                 tensor_parallel_size=args.tensor_parallel_size)
 

@@ -406,3 +406,33 @@ def test_gguf_blocks_refusals_name_the_problem(case):
         LLM(loaded=loaded, weights="gguf")
     with pytest.raises(ValueError, match="device must be 'cpu'"):
         EngineConfig(model=str(path), weights="gguf", device="cuda")
+
+
+def _mapping_of(address: int) -> str:
+    """The file (or "" / "[heap]") of the mapping that holds `address`, from /proc/self/maps."""
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        if lo <= address < hi:
+            return fields[5] if len(fields) > 5 else ""
+    raise AssertionError(f"{address:#x} is not mapped")
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps (Linux)")
+def test_gguf_blocks_are_read_into_own_memory_unless_mmap(case, monkeypatch):
+    """By default every matrix's bytes are read into the process's own memory (not the file's
+    mapping: 2 MB pages can back them), byte for byte the file's; with gguf_mmap they are the
+    mapped file's pages. The same bytes compute the same logits."""
+    import gguf
+
+    name, _, path, _, _, _, cache = case
+    monkeypatch.setenv("KVSERVE_CACHE", str(cache))
+    own = load_model(path, gguf_blocks=True)
+    mapped = load_model(path, gguf_blocks=True, gguf_mmap=True)
+    q_own, q_mapped = (m.model.layers[1].self_attn.q_proj.raw for m in (own, mapped))
+    assert _mapping_of(q_own.data_ptr()) != str(path)
+    assert _mapping_of(q_mapped.data_ptr()) == str(path)
+    stored = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == "blk.1.attn_q.weight")
+    assert q_own.numpy().tobytes() == np.asarray(stored.data).tobytes() == q_mapped.numpy().tobytes()
+    ids = _prompt(7, 40)
+    assert torch.equal(all_position_logits(own, ids), all_position_logits(mapped, ids))

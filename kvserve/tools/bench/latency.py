@@ -126,7 +126,8 @@ def print_result(r: LatencyResult) -> None:
 
 
 def main(args) -> int:
-    loaded = load_model(args.model, args.dtype, gguf_blocks=args.weights == "gguf")
+    loaded = load_model(args.model, args.dtype, gguf_blocks=args.weights == "gguf",
+                        gguf_activations=args.gguf_activations, gguf_mmap=args.gguf_mmap)
     result = measure(loaded, args.input_len, args.output_len, args.repeats, args.seed, weights=args.weights,
                      pack_weights=args.pack_weights, compile=args.compile)
     print_result(result)

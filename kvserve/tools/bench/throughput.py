@@ -183,7 +183,8 @@ def plot_sweep(results: list[Result], path: Path) -> None:
 
 
 def main(args) -> int:
-    loaded = load_model(args.model, args.dtype, gguf_blocks=args.weights == "gguf")
+    loaded = load_model(args.model, args.dtype, gguf_blocks=args.weights == "gguf",
+                        gguf_activations=args.gguf_activations, gguf_mmap=args.gguf_mmap)
     cfg = loaded.config
     wl = make_workload(args.num_prompts, tuple(args.input_len), tuple(args.output_len), cfg.vocab_size,
                        cfg.bos_token_id, args.seed)
