@@ -8,8 +8,9 @@ offset), and memory-maps the file itself on every start.
 """
 from __future__ import annotations
 
-import contextlib
 import json
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import gguf
@@ -400,28 +401,40 @@ def load_gguf_blocks(path: Path, dtype: torch.dtype, activations: str = "int8", 
     cfg, index, tok_file = _block_entry(path)
     # Copy-on-write pages: torch wants a writable buffer; nothing writes, so they stay the file's.
     mapped = np.memmap(path, dtype=np.uint8, mode="c")
-    with contextlib.ExitStack() as stack:
-        reader = None if mmap else stack.enter_context(open(path, "rb", buffering=0))
-        return _blocks(path, cfg, index, tok_file, mapped, reader, dtype, activations)
+    read = None if mmap else _read_matrices(path, index)
+    return _blocks(path, cfg, index, tok_file, mapped, read, dtype, activations)
 
 
-def _read_huge(reader, t: dict, path: Path) -> np.ndarray:
-    """Tensor t's bytes read from the file into fresh memory advised for 2 MB pages (read, not
-    mapped: the file's pages stay in the page cache, outside this process's memory)."""
+def _read_matrices(path: Path, index: list[dict]) -> dict[str, np.ndarray]:
+    """Every tensor of 2+ dimensions read from the file into fresh memory advised for 2 MB pages
+    (read, not mapped: the file's pages stay in the page cache, outside this process's memory),
+    a thread per core: the page faults that fill the new memory dominate a warm load, and they
+    run in parallel (positional reads, which release the GIL)."""
+    wanted = [t for t in index if len(t["shape"]) >= 2 and t["name"] not in _CONFIG_TENSORS]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1))) as pool:
+            arrays = list(pool.map(lambda t: _read_huge(fd, t, path), wanted))
+    finally:
+        os.close(fd)
+    return {t["name"]: a for t, a in zip(wanted, arrays)}
+
+
+def _read_huge(fd: int, t: dict, path: Path) -> np.ndarray:
     out = empty_huge(t["bytes"], dtype=torch.uint8).numpy()
     view, done = memoryview(out), 0
-    reader.seek(t["offset"])
     while done < t["bytes"]:
-        got = reader.readinto(view[done:])
+        got = os.preadv(fd, [view[done:]], t["offset"] + done)
         if not got:
             raise ModelLoadError(path, f"tensor {t['name']!r}: the file ends {t['bytes'] - done} bytes short")
         done += got
     return out
 
 
-def _blocks(path: Path, cfg: ModelConfig, index: list[dict], tok_file: Path, mapped: np.ndarray, reader, dtype,
-            activations: str) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, nn.Module], Path]:
-    """load_gguf_blocks' work: matrices from `reader` (None: the mapped bytes), vectors mapped."""
+def _blocks(path: Path, cfg: ModelConfig, index: list[dict], tok_file: Path, mapped: np.ndarray,
+            read: dict[str, np.ndarray] | None, dtype, activations: str
+            ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, nn.Module], Path]:
+    """load_gguf_blocks' work: matrices from `read` (None: the mapped bytes), vectors mapped."""
     plain: dict[str, torch.Tensor] = {}
     modules: dict[str, nn.Module] = {}
     for t in index:
@@ -430,8 +443,8 @@ def _blocks(path: Path, cfg: ModelConfig, index: list[dict], tok_file: Path, map
         data = mapped[t["offset"]:t["offset"] + t["bytes"]]
         experts = _expert_names(t["name"], cfg.moe.num_experts if cfg.moe else 0)
         if experts is not None:
-            modules.update(_expert_blocks(data if reader is None else _read_huge(reader, t, path), t, experts, cfg,
-                                          path, activations))
+            modules.update(_expert_blocks(data if read is None else read[t["name"]], t, experts, cfg, path,
+                                          activations))
             continue
         name = _param_name(t["name"], cfg.family)
         if name is None:
@@ -445,8 +458,8 @@ def _blocks(path: Path, cfg: ModelConfig, index: list[dict], tok_file: Path, map
             plain[name] = _matrix(data, t, path).to(dtype)
             continue
         k, n = t["shape"]
-        if reader is not None:
-            data = _read_huge(reader, t, path)
+        if read is not None:
+            data = read[t["name"]]
         try:
             raw = torch.from_numpy(data).view(n, row_bytes(t["type"], k))
         except (ValueError, RuntimeError) as e:
