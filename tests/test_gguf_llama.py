@@ -408,22 +408,14 @@ def test_gguf_blocks_refusals_name_the_problem(case):
         EngineConfig(model=str(path), weights="gguf", device="cuda")
 
 
-def _mapping_of(address: int) -> str:
-    """The file (or "" / "[heap]") of the mapping that holds `address`, from /proc/self/maps."""
-    for line in open("/proc/self/maps"):
-        fields = line.split()
-        lo, hi = (int(x, 16) for x in fields[0].split("-"))
-        if lo <= address < hi:
-            return fields[5] if len(fields) > 5 else ""
-    raise AssertionError(f"{address:#x} is not mapped")
-
-
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps (Linux)")
 def test_gguf_blocks_are_read_into_own_memory_unless_mmap(case, monkeypatch):
     """By default every matrix's bytes are read into the process's own memory (not the file's
     mapping: 2 MB pages can back them), byte for byte the file's; with gguf_mmap they are the
     mapped file's pages. The same bytes compute the same logits."""
     import gguf
+
+    from tests.test_host_memory import _mapping_of
 
     name, _, path, _, _, _, cache = case
     monkeypatch.setenv("KVSERVE_CACHE", str(cache))
