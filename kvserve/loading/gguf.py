@@ -4,7 +4,7 @@ Parsing a GGUF's metadata and dequantizing it is slow (seconds), so `load_gguf` 
 into the cache (config.json + model.safetensors in fp32 + tokenizer.json) and later starts
 read only the cache. `load_gguf_blocks` keeps the file's quantized blocks instead (no fp32
 copy anywhere): it caches the config, the tokenizer and an index of the tensors (type, shape,
-offset), and memory-maps the file itself on every start.
+offset), and on every start reads the matrices into memory (or maps the file, `mmap`).
 """
 from __future__ import annotations
 
@@ -222,13 +222,11 @@ def _gguf_moe(meta, arch: str, n_layers: int, intermediate: int, path: Path) -> 
         raise ModelLoadError(path, f"GGUF metadata {arch}.expert_used_count ({used}) must be in 1..expert_count "
                                    f"({experts})")
     layers = tuple(range(n_layers))
-    if arch == "qwen2moe":
-        return MoEConfig(num_experts=experts, top_k=used, intermediate_size=meta("expert_feed_forward_length", kind=int),
-                         layers=layers, shared_intermediate_size=meta("expert_shared_feed_forward_length", kind=int),
-                         shared_expert_gate=True)
-    if arch == "qwen3moe":
-        return MoEConfig(num_experts=experts, top_k=used, intermediate_size=meta("expert_feed_forward_length", kind=int),
-                         layers=layers, norm_topk_prob=True)
+    if arch in ("qwen2moe", "qwen3moe"):
+        own = (dict(shared_intermediate_size=meta("expert_shared_feed_forward_length", kind=int),
+                    shared_expert_gate=True) if arch == "qwen2moe" else dict(norm_topk_prob=True))
+        return MoEConfig(num_experts=experts, top_k=used, layers=layers,
+                         intermediate_size=meta("expert_feed_forward_length", kind=int), **own)
     return MoEConfig(num_experts=experts, top_k=used, intermediate_size=intermediate, layers=layers,
                      norm_topk_prob=True)
 
@@ -373,36 +371,76 @@ def _block_entry(path: Path) -> tuple[ModelConfig, list[dict], Path]:
     return cfg, index["tensors"], tok_file
 
 
-def gguf_block_entry(path: Path) -> tuple[ModelConfig, Path]:
-    """(config, tokenizer.json) of a GGUF loaded as blocks, from its cache entry (made once)."""
+def gguf_block_entry(path: Path) -> tuple[ModelConfig, list[dict], Path]:
+    """(config, tensor index, tokenizer.json) of a GGUF loaded as blocks, from its cache entry
+    (made once); load_gguf_blocks takes the first two."""
     path = Path(path)
     if not path.is_file():
         raise ModelLoadError(path, "no such GGUF file")
-    cfg, _, tok_file = _block_entry(path)
-    return cfg, tok_file
+    return _block_entry(path)
 
 
-def load_gguf_blocks(path: Path, dtype: torch.dtype, activations: str = "int8", mmap: bool = False
-                     ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, nn.Module], Path]:
-    """A GGUF's weights as the file stores them: (config, plain tensors by name (norms, biases,
-    in `dtype`), modules by name (a GGMLLinear over the bytes of every matrix, its `activations`
-    as given; the token embedding a lookup into its table, shared with the LM head when tied),
-    tokenizer.json).
+def load_gguf_blocks(path: Path, cfg: ModelConfig, index: list[dict], dtype: torch.dtype, activations: str = "int8",
+                     mmap: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, nn.Module]]:
+    """A GGUF's weights as the file stores them (`cfg`, `index` from gguf_block_entry): (plain
+    tensors by name (norms, biases, routers, in `dtype`), modules by name (a GGMLLinear over the
+    bytes of every matrix, its `activations` as given; the token embedding a lookup into its
+    table, shared with the LM head when tied)).
 
-    The matrices' bytes are read into the process's own memory in 2 MB pages (`_read_huge`), or
-    with `mmap` are the memory-mapped file's pages themselves. Either way they are the file's
+    The matrices' bytes are read into the process's own memory in 2 MB pages (`_read_matrices`),
+    or with `mmap` are the memory-mapped file's pages themselves. Either way they are the file's
     bytes, unchanged; the difference is speed and sharing: a decode step streams every matrix,
     and on 4 KB file pages that is a TLB miss every 4 KB (measured: batch-1 decode of 1B-shaped
-    Q4_0 / Q4_K_M files 12-19% faster from 2 MB pages, docs/ARCHITECTURE.md), while mapped pages
+    Q4_0 / Q4_K_M files 6-16% faster from 2 MB pages, docs/ARCHITECTURE.md), while mapped pages
     are shared through the page cache with every other process serving the same file."""
-    path = Path(path)
-    if not path.is_file():
-        raise ModelLoadError(path, "no such GGUF file")
-    cfg, index, tok_file = _block_entry(path)
     # Copy-on-write pages: torch wants a writable buffer; nothing writes, so they stay the file's.
     mapped = np.memmap(path, dtype=np.uint8, mode="c")
-    read = None if mmap else _read_matrices(path, index)
-    return _blocks(path, cfg, index, tok_file, mapped, read, dtype, activations)
+    read = {} if mmap else _read_matrices(path, index)
+    plain: dict[str, torch.Tensor] = {}
+    modules: dict[str, nn.Module] = {}
+    for t in index:
+        if t["name"] in _CONFIG_TENSORS:
+            continue
+        data = read.get(t["name"])
+        if data is None:
+            data = mapped[t["offset"]:t["offset"] + t["bytes"]]
+        experts = _expert_names(t["name"], cfg.moe.num_experts if cfg.moe else 0)
+        if experts is not None:
+            modules.update(_expert_blocks(data, t, experts, cfg, path, activations))
+            continue
+        name = _param_name(t["name"], cfg.family)
+        if name is None:
+            raise ModelLoadError(path, f"unexpected tensor {t['name']!r} for architecture {cfg.model_type!r}")
+        if len(t["shape"]) == 1:  # norms, biases, the shared-expert gate: small, as floats
+            plain[name] = _vector(data, t, cfg, name, path).to(dtype)
+            if name.endswith(".shared_expert_gate.weight"):
+                plain[name] = plain[name].reshape(1, -1)
+            continue
+        if name.endswith(".mlp.gate.weight"):  # the router: a float matrix (it picks the experts)
+            plain[name] = _matrix(data, t, path).to(dtype)
+            continue
+        k, n = t["shape"]
+        try:
+            raw = torch.from_numpy(data).view(n, row_bytes(t["type"], k))
+        except (ValueError, RuntimeError) as e:
+            raise ModelLoadError(path, f"tensor {t['name']!r}: {e}") from None
+        order = None
+        if cfg.model_type in _PERMUTED_QK and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
+            heads = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
+            order = torch.from_numpy(_unpermute_rope(np.arange(n, dtype=np.int64), heads).copy())
+        modules[name.removesuffix(".weight")] = GGMLLinear(raw, t["type"], k, n, activations=activations,
+                                                           out_order=order)
+    for name in [n for n in plain if n.endswith(".bias") and n.removesuffix(".bias") in modules]:
+        modules[name.removesuffix(".bias")].bias = plain.pop(name)  # (Qwen2-MoE's q/k/v biases)
+    table = modules.pop("embed_tokens", None)
+    if table is None:
+        raise ModelLoadError(path, "no token_embd tensor")
+    if cfg.tie_word_embeddings:
+        modules["lm_head"] = table
+        modules["embed_tokens"] = QuantEmbedding(table, dtype, tied=True)
+    else:
+        modules["embed_tokens"] = QuantEmbedding(table, dtype, tied=False)
+    return plain, modules
 
 
 def _read_matrices(path: Path, index: list[dict]) -> dict[str, np.ndarray]:
@@ -429,58 +467,6 @@ def _read_huge(fd: int, t: dict, path: Path) -> np.ndarray:
             raise ModelLoadError(path, f"tensor {t['name']!r}: the file ends {t['bytes'] - done} bytes short")
         done += got
     return out
-
-
-def _blocks(path: Path, cfg: ModelConfig, index: list[dict], tok_file: Path, mapped: np.ndarray,
-            read: dict[str, np.ndarray] | None, dtype, activations: str
-            ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, nn.Module], Path]:
-    """load_gguf_blocks' work: matrices from `read` (None: the mapped bytes), vectors mapped."""
-    plain: dict[str, torch.Tensor] = {}
-    modules: dict[str, nn.Module] = {}
-    for t in index:
-        if t["name"] in _CONFIG_TENSORS:
-            continue
-        data = mapped[t["offset"]:t["offset"] + t["bytes"]]
-        experts = _expert_names(t["name"], cfg.moe.num_experts if cfg.moe else 0)
-        if experts is not None:
-            modules.update(_expert_blocks(data if read is None else read[t["name"]], t, experts, cfg, path,
-                                          activations))
-            continue
-        name = _param_name(t["name"], cfg.family)
-        if name is None:
-            raise ModelLoadError(path, f"unexpected tensor {t['name']!r} for architecture {cfg.model_type!r}")
-        if len(t["shape"]) == 1:  # norms, biases, the shared-expert gate: small, as floats
-            plain[name] = _vector(data, t, cfg, name, path).to(dtype)
-            if name.endswith(".shared_expert_gate.weight"):
-                plain[name] = plain[name].reshape(1, -1)
-            continue
-        if name.endswith(".mlp.gate.weight"):  # the router: a float matrix (it picks the experts)
-            plain[name] = _matrix(data, t, path).to(dtype)
-            continue
-        k, n = t["shape"]
-        if read is not None:
-            data = read[t["name"]]
-        try:
-            raw = torch.from_numpy(data).view(n, row_bytes(t["type"], k))
-        except (ValueError, RuntimeError) as e:
-            raise ModelLoadError(path, f"tensor {t['name']!r}: {e}") from None
-        order = None
-        if cfg.model_type in _PERMUTED_QK and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
-            heads = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
-            order = torch.from_numpy(_unpermute_rope(np.arange(n, dtype=np.int64), heads).copy())
-        modules[name.removesuffix(".weight")] = GGMLLinear(raw, t["type"], k, n, activations=activations,
-                                                           out_order=order)
-    for name in [n for n in plain if n.endswith(".bias") and n.removesuffix(".bias") in modules]:
-        modules[name.removesuffix(".bias")].bias = plain.pop(name)  # (Qwen2-MoE's q/k/v biases)
-    table = modules.pop("embed_tokens", None)
-    if table is None:
-        raise ModelLoadError(path, "no token_embd tensor")
-    if cfg.tie_word_embeddings:
-        modules["lm_head"] = table
-        modules["embed_tokens"] = QuantEmbedding(table, dtype, tied=True)
-    else:
-        modules["embed_tokens"] = QuantEmbedding(table, dtype, tied=False)
-    return cfg, plain, modules, tok_file
 
 
 def _expert_blocks(data: np.ndarray, t: dict, names: list[str], cfg: ModelConfig, path: Path,

@@ -177,8 +177,8 @@ def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "floa
     quantized weights stay the file's blocks (kvserve/weights/ggml.py) instead of being dequantized
     to `dtype`; CPU only; `gguf_activations` "int8" (llama.cpp's arithmetic) or "float" (the float
     model's products); `gguf_mmap`: the blocks are the memory-mapped file's pages, not read into
-    this process's memory in 2 MB pages (load_gguf_blocks). `model` may be a Hugging Face name (resolve_model_path;
-    downloaded only with `allow_download`)."""
+    this process's memory in 2 MB pages (load_gguf_blocks). `model` may be a Hugging Face name
+    (resolve_model_path; downloaded only with `allow_download`)."""
     torch_dtype = compute_dtype(dtype, device)
     path = resolve_model_path(model, allow_download)
     if gguf_blocks and path.suffix != ".gguf":
@@ -197,9 +197,9 @@ def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "floa
             raise ValueError(f"gguf_blocks: the GGUF block kernels run on the CPU, not {device}")
         # The tokenizer before the weights: parsing a large vocabulary peaks a few hundred MB above
         # what it keeps (262k entries: +0.25 GB), a transient that should not sit on top of them.
-        cfg, tok_file = gguf_block_entry(path)
+        cfg, index, tok_file = gguf_block_entry(path)
         tokenizer = Tokenizer.from_file(tok_file, cfg.eos_token_ids, cfg.bos_token_id)
-        cfg, sd, modules, _ = load_gguf_blocks(path, torch_dtype, gguf_activations, mmap=gguf_mmap)
+        sd, modules = load_gguf_blocks(path, cfg, index, torch_dtype, gguf_activations, mmap=gguf_mmap)
         return LoadedModel(build_model(cfg, sd, torch_dtype, device, path, modules=modules), cfg, tokenizer, path)
     elif path.suffix == ".gguf":
         cfg, weights, tok_file = load_gguf(path)
