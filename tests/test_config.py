@@ -44,6 +44,7 @@ def test_defaults_are_resolved_before_the_parts_are_made():
     (lambda: SchedulerConfig(max_model_len=0), "max_model_len"),
     (lambda: WeightsConfig(weights="int3"), "weights"),
     (lambda: WeightsConfig(weights="int4", compile=True), "compile"),
+    (lambda: WeightsConfig(weights="gguf", gguf_mmap="yes"), "gguf_mmap"),
     (lambda: SpeculativeConfig(speculative="medusa"), "speculative"),
     (lambda: SpeculativeConfig(ngram_min=5, ngram_max=2), "ngram_min"),
     (lambda: SpeculativeConfig(speculative="draft"), "speculative_model"),
