@@ -110,6 +110,22 @@ def test_int8_activation_products_stay_within_the_activations_rounding(t, rows):
     assert torch.equal(layer(fewer)[-1:], layer(x)[-1:])
 
 
+def test_activation_quantization_vector_block_equals_the_plain_loop():
+    """The matmuls quantize activations 16 lanes at a time (AVX-512 builds); codes and scales are
+    bitwise the plain loop's, halfway values (rounded to even), zero and tiny blocks included."""
+    x = torch.randn(4, 1024, generator=torch.Generator().manual_seed(0)) * torch.tensor([[1e-3], [1.0], [40.0], [1e4]])
+    x[:, ::97] *= 50  # outliers
+    x[1, 64:96] = 0.0  # a zero block: dx 0, codes 0
+    x[2, 128:160] = 1e-38  # subnormal scale territory
+    x[3, 0:32] = torch.tensor([127.0, 2.5, 3.5, -2.5, -3.5, 0.5, -0.5, 1.5] * 4)  # dx 1: exact halves
+    for row in x:
+        vec, plain = kernels.ggml_q8_quantize(row), kernels.ggml_q8_quantize(row, vector=False)
+        assert torch.equal(vec[0], plain[0]) and torch.equal(vec[1], plain[1])
+    codes = kernels.ggml_q8_quantize(x[3])[0]
+    assert codes[:8].tolist() == [127, 2, 4, -2, -4, 0, 0, 2]  # half to even
+    assert kernels.ggml_q8_quantize(torch.randn(48)) is None  # not whole blocks of 32
+
+
 def test_int8_path_keeps_other_types_and_float_activations_on_the_float_kernels():
     q4_1 = GGMLLinear(torch.from_numpy(random_blocks(T.Q4_1, 8, 64)), T.Q4_1, 64, 8)
     q8_0 = GGMLLinear(torch.from_numpy(random_blocks(T.Q8_0, 8, 64)), T.Q8_0, 64, 8, activations="float")

@@ -127,7 +127,8 @@ _SIGNATURES: dict[str, dict[str, tuple[list, object]]] = {
     "ggml_blocks": {"ggml_gemv": ([_P, _P, _I, _P, _I, _I, _I, _L, _I], ctypes.c_int),  # GGUF's quantized blocks
                     "ggml_dequant": ([_P, _I, _I, _L, _P, _I, _P, _I], ctypes.c_int)},
     "ggml_int8": {"ggml_q8_matmul": ([_P, _P, _I, _P, _I, _I, _I, _L, _I], ctypes.c_int),  # blocks x int8 rows
-                  "ggml_q8_matmul_reference": ([_P, _P, _I, _P, _I, _I, _I, _L], ctypes.c_int)},
+                  "ggml_q8_matmul_reference": ([_P, _P, _I, _P, _I, _I, _I, _L], ctypes.c_int),
+                  "ggml_q8_quantize": ([_P, _I, _P, _P, _I], ctypes.c_int)},
     "rms_norm": {"rms_norm": ([_P, _P, _P, _I, _I, _F, _I], None),  # a few fp32 rows
                  "add_rms_norm": ([_P, _P, _P, _P, _P, _P, _I, _I, _F, _I], None)},
     "rope_cache": {"norm_rope_write": ([_P, _L, _P, _L, _P, _L, _I, _I, _I, _I, _P, _P, _F, _P, _P, _P, _P, _P, _P,
@@ -291,6 +292,20 @@ def ggml_q8_matmul(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, n: int, r
     if reference:
         return _ggml_matmul("ggml_int8", "ggml_q8_matmul_reference", x, raw, ggml_type, n)
     return _ggml_matmul("ggml_int8", "ggml_q8_matmul", x, raw, ggml_type, n, torch.get_num_threads())
+
+
+def ggml_q8_quantize(x: torch.Tensor, vector: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A row x [K] fp32 quantized as ggml_q8_matmul quantizes it: (codes int8 [K], floats [3 K / 16]:
+    dx per 32 values, dx * sum per 32, dx per 16, dx * sum per 16); `vector` False: the plain C
+    loop. None when the kernel is unavailable or K is not whole blocks of 32."""
+    lib = kernel_lib("ggml_int8")
+    if lib is None or not _f32_cpu(x) or x.dim() != 1:
+        return None
+    x = x.contiguous()
+    k = x.numel()
+    codes, floats = torch.empty(k, dtype=torch.int8), torch.empty(3 * k // 16, dtype=torch.float32)
+    rc = lib.ggml_q8_quantize(x.data_ptr(), k, codes.data_ptr(), floats.data_ptr(), int(vector))
+    return (codes, floats) if rc == 0 else None
 
 
 def ggml_dequant(raw: torch.Tensor, ggml_type: int, k: int, rows: torch.Tensor) -> torch.Tensor | None:
