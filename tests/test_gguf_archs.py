@@ -104,8 +104,9 @@ def test_freq_factors_have_no_hf_config_form(llama31):
         hf_config_dict(load_model(path, gguf_blocks=True).config)
 
 
-def _rewrite(src, dst, replace: dict) -> None:
-    """A copy of GGUF `src` with some tensors' data replaced (name -> f32 array)."""
+def _rewrite(src, dst, replace: dict, meta: dict | None = None) -> None:
+    """A copy of GGUF `src` with some tensors' data replaced (name -> f32 array) and metadata
+    added (`meta`: key -> str or float)."""
     r = gguf.GGUFReader(str(src))
     w = gguf.GGUFWriter(str(dst), r.fields["general.architecture"].contents())
     for f in r.fields.values():
@@ -116,6 +117,8 @@ def _rewrite(src, dst, replace: dict) -> None:
     for t in r.tensors:
         data = replace.get(t.name, np.asarray(t.data))
         w.add_tensor(t.name, np.ascontiguousarray(data), raw_dtype=None if t.name in replace else t.tensor_type)
+    for key, value in (meta or {}).items():
+        w.add_string(key, value) if isinstance(value, str) else w.add_float32(key, value)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -131,3 +134,13 @@ def test_bad_rope_freqs_are_refused_naming_the_tensor(llama31, tmp_path, monkeyp
     monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path / "cache"))
     with pytest.raises(ModelLoadError, match="rope_freqs.weight must hold 8 positive values"):
         load_model(bad, gguf_blocks=True)
+
+
+def test_rope_freqs_beside_a_rope_scaling_type_is_refused(llama31, tmp_path, monkeypatch):
+    """Two rope scalings at once (the factors tensor and a scaling type): refused, naming both."""
+    _, _, path = llama31
+    both = tmp_path / "both.gguf"
+    _rewrite(path, both, {}, {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0})
+    monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ModelLoadError, match="rope_freqs.weight and llama.rope.scaling.type 'linear' together"):
+        load_model(both, gguf_blocks=True)

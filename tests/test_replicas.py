@@ -88,6 +88,19 @@ def test_cached_tokens_one_engine(tiny_folder):
         assert chat[1]["prompt_tokens_details"]["cached_tokens"] == (chat[1]["prompt_tokens"] - 1) // BS * BS > 0
 
 
+def test_replicas_of_a_gguf_share_the_mapped_file(tmp_path, monkeypatch):
+    """Each replica computes a GGUF's blocks from the mapped file, sharing its pages, not a copy of
+    its own; other settings pass through, the model path made absolute."""
+    from kvserve.server.replicas.pool import replica_engine_config
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m.gguf").write_bytes(b"")
+    for weights, asked, want in [("gguf", False, True), ("gguf", True, True), ("float", False, False)]:
+        got = replica_engine_config(EngineConfig(model="m.gguf", weights=weights, gguf_mmap=asked, max_num_seqs=3), 2)
+        assert (got.gguf_mmap, got.weights, got.max_num_seqs, got.num_threads) == (want, weights, 3, 2)
+        assert got.model == str(tmp_path.resolve() / "m.gguf")
+
+
 def test_replica_flags_are_checked_before_anything_loads(capsys):
     from kvserve.cli import main
 

@@ -459,7 +459,7 @@ def start_replicas(config: EngineConfig, opts: ReplicaOptions, max_unread_tokens
     cpus = float(opts.num_cpus or os.cpu_count() or 1) / n if runtime.started_here and opts.ray_address is None \
         else float(config.num_threads or 1)
     threads = config.num_threads or max(1, int(cpus))
-    replica_config = dataclasses.replace(config, num_threads=threads, model=_absolute(config.model))
+    replica_config = replica_engine_config(config, threads)
     t0 = time.perf_counter()
     apps = []
     for i in range(n):
@@ -483,6 +483,17 @@ def start_replicas(config: EngineConfig, opts: ReplicaOptions, max_unread_tokens
     replicas = [_Replica(i, h, info) for i, (h, info) in enumerate(zip(handles, infos))]
     router = Router(n, opts.router_config(infos[0].block_size))
     return ReplicaSet(replicas, router, runtime, max_unread_tokens)
+
+
+def replica_engine_config(config: EngineConfig, threads: int) -> EngineConfig:
+    """What each replica builds: `threads` threads, the model path absolute, and a GGUF's blocks
+    computed from the memory-mapped file (`gguf_mmap`): replicas on one host then share the file's
+    page-cache pages, where blocks read into each process's own memory would cost every replica a
+    copy of the weights (four replicas of an 8B Q4_K_M file: 4 x 4.6 GB)."""
+    mmap = config.gguf_mmap or config.weights == "gguf"
+    if mmap and not config.gguf_mmap:
+        log.info("replicas compute a GGUF's blocks from the mapped file (gguf_mmap), sharing its pages")
+    return dataclasses.replace(config, num_threads=threads, model=_absolute(config.model), gguf_mmap=mmap)
 
 
 def _absolute(model: str | None) -> str | None:
