@@ -86,13 +86,12 @@ static inline float quantize_block_vec(const float *xb, int8_t *q, int sum[2]) {
 static void quantize_row(const float *x, int K, int8_t *q, float *d32, float *d16, float *s16, float *s32, int vector) {
     for (int b = 0; b < K / 32; b++) {
         int sum[2];
-        float d;
 #ifdef GGML_AVX512
-        if (vector) d = quantize_block_vec(x + 32 * b, q + 32 * b, sum);
-        else
-#endif
-            d = quantize_block(x + 32 * b, q + 32 * b, sum);
+        const float d = vector ? quantize_block_vec(x + 32 * b, q + 32 * b, sum) : quantize_block(x + 32 * b, q + 32 * b, sum);
+#else
+        const float d = quantize_block(x + 32 * b, q + 32 * b, sum);
         (void)vector;
+#endif
         d32[b] = d;
         d16[2 * b] = d16[2 * b + 1] = d;
         s16[2 * b] = d * (float)sum[0];

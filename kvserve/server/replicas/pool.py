@@ -490,10 +490,10 @@ def replica_engine_config(config: EngineConfig, threads: int) -> EngineConfig:
     computed from the memory-mapped file (`gguf_mmap`): replicas on one host then share the file's
     page-cache pages, where blocks read into each process's own memory would cost every replica a
     copy of the weights (four replicas of an 8B Q4_K_M file: 4 x 4.6 GB)."""
-    mmap = config.gguf_mmap or config.weights == "gguf"
-    if mmap and not config.gguf_mmap:
+    if config.weights == "gguf" and not config.gguf_mmap:
         log.info("replicas compute a GGUF's blocks from the mapped file (gguf_mmap), sharing its pages")
-    return dataclasses.replace(config, num_threads=threads, model=_absolute(config.model), gguf_mmap=mmap)
+    return dataclasses.replace(config, num_threads=threads, model=_absolute(config.model),
+                               gguf_mmap=config.gguf_mmap or config.weights == "gguf")
 
 
 def _absolute(model: str | None) -> str | None:
