@@ -121,6 +121,13 @@ def test_activation_quantization_vector_block_equals_the_plain_loop():
     for row in x:
         vec, plain = kernels.ggml_q8_quantize(row), kernels.ggml_q8_quantize(row, vector=False)
         assert torch.equal(vec[0], plain[0]) and torch.equal(vec[1], plain[1])
+        # Both against torch's fp32 arithmetic (so the test bites on builds without AVX-512 too):
+        # dx = max|x| / 127 per block of 32, codes = x * (1 / dx) rounded half to even.
+        blocks = row.view(-1, 32)
+        dx = blocks.abs().amax(dim=1) / 127
+        inv = torch.where(dx != 0, 1 / dx, torch.zeros_like(dx))
+        assert torch.equal(vec[0], torch.round(blocks * inv[:, None]).to(torch.int8).view(-1))
+        assert torch.equal(vec[1][:dx.numel()], dx)
     codes = kernels.ggml_q8_quantize(x[3])[0]
     assert codes[:8].tolist() == [127, 2, 4, -2, -4, 0, 0, 2]  # half to even
     assert kernels.ggml_q8_quantize(torch.randn(48)) is None  # not whole blocks of 32
