@@ -95,6 +95,13 @@ def test_plan_follows_sliding_windows_and_rebuilds_after_changes(tiny_gemma3, mo
     spy.off = True
     assert _generate(llm, prompt) == changed != got
 
+    # A weight replaced by assignment (not changed in place) makes the plan stale too.
+    plan = plan_for(model, llm.engine.runner.kv_cache)
+    assert plan is not None and plan.current()
+    norm = model.layers[2].input_layernorm
+    norm.weight = torch.nn.Parameter(norm.weight.detach().clone())
+    assert not plan.current()
+
 
 @pytest.mark.parametrize("kind, weights", [("llama", "float"), ("llama", "int8"), ("qwen3", "float"),
                                            ("mistral", "int4")])
