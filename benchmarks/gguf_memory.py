@@ -1,7 +1,8 @@
 """Peak RSS and start-up time on a GGUF file: kvserve on the file's own blocks (`weights="gguf"`)
 beside llama.cpp (llama-cpp-python from the peers' venv), each in a fresh process under
 `/usr/bin/time -v`: import, load, build (start_s), then 16 greedy tokens (tokens_16_s). Both hold
-2,048 tokens of KV cache (kvserve's pool sized to exactly that, llama.cpp `n_ctx=2048`).
+2,048 tokens of KV cache (kvserve's pool sized to exactly that, llama.cpp `n_ctx=2048`); kvserve
+runs twice, with an fp32 pool and with an fp16 one (llama.cpp's default cache type: the same bytes).
 
     .venv/bin/python benchmarks/gguf_memory.py --model FILE [--model FILE2 ...] [--cold] --out results.json
 
@@ -29,8 +30,10 @@ from kvserve import LLM, SamplingParams
 from kvserve.loading import load_model
 loaded = load_model(sys.argv[1], gguf_blocks=True)
 cfg = loaded.config
-kv_bytes = {tokens} * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * 4
-llm = LLM(loaded=loaded, weights="gguf", kv_cache_gib=kv_bytes / 2**30, max_model_len={tokens}, max_num_seqs=1)
+kv_dtype = sys.argv[2]
+kv_bytes = {tokens} * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * (2 if kv_dtype == "fp16" else 4)
+llm = LLM(loaded=loaded, weights="gguf", kv_cache_gib=kv_bytes / 2**30, max_model_len={tokens}, max_num_seqs=1,
+          kv_cache_dtype=kv_dtype)
 t1 = time.perf_counter()
 llm.generate([2, 651, 6037], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
 print(json.dumps({{"start_s": t1 - t0, "tokens_16_s": time.perf_counter() - t1}}))
@@ -57,12 +60,12 @@ def drop_page_cache() -> None:
         raise SystemExit(f"--cold needs to write /proc/sys/vm/drop_caches (root): {e}") from None
 
 
-def run(python: Path, code: str, model: Path) -> dict:
+def run(python: Path, code: str, model: Path, *args: str) -> dict:
     """One fresh process under /usr/bin/time -v -> start_s, tokens_16_s, peak_rss_gb."""
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(code.format(tokens=TOKENS))
-    proc = subprocess.run(["/usr/bin/time", "-v", str(python), f.name, str(model)], capture_output=True, text=True,
-                          cwd=ROOT)
+    proc = subprocess.run(["/usr/bin/time", "-v", str(python), f.name, str(model), *args], capture_output=True,
+                          text=True, cwd=ROOT)
     Path(f.name).unlink()
     if proc.returncode != 0:
         raise RuntimeError(f"{python} on {model} failed:\n{proc.stderr[-3000:]}")
@@ -79,18 +82,20 @@ def main() -> None:
     args = p.parse_args()
     if not LLAMACPP_PYTHON.exists():
         raise SystemExit(f"{LLAMACPP_PYTHON} not found: run benchmarks/peers/setup_peers.sh llamacpp first")
-    engines = {"kvserve": (Path(sys.executable), KVSERVE), "llamacpp": (LLAMACPP_PYTHON, LLAMACPP)}
+    engines = {"kvserve": (Path(sys.executable), KVSERVE, "auto"),
+               "kvserve-fp16-kv": (Path(sys.executable), KVSERVE, "fp16"),
+               "llamacpp": (LLAMACPP_PYTHON, LLAMACPP)}
     results = {}
     for model in args.model:
         if not model.is_file():
             raise SystemExit(f"--model {model}: no such file")
         results[model.stem] = {}
-        for name, (python, code) in engines.items():
+        for name, (python, code, *extra) in engines.items():
             if args.cold:
                 drop_page_cache()
             else:
-                run(python, code, model)  # warms the page cache (and the kernel build)
-            results[model.stem][name] = run(python, code, model)
+                run(python, code, model, *extra)  # warms the page cache (and the kernel build)
+            results[model.stem][name] = run(python, code, model, *extra)
             print(model.stem, name, results[model.stem][name], flush=True)
     args.out.write_text(json.dumps({"tokens_of_kv": TOKENS, "cold": args.cold, "files": results}, indent=1) + "\n")
 

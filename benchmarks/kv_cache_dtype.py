@@ -1,14 +1,14 @@
-"""KV-cache quantization on Gemma 3 270M: accuracy, pool capacity and batching throughput for
-fp32 / int8 / fp8 (e4m3) K/V (`--kv-cache-dtype`).
+"""KV-cache formats on Gemma 3 270M: accuracy, pool capacity and batching throughput for
+fp32 / fp16 / bf16 / int8 / fp8 (e4m3) K/V (`--kv-cache-dtype`).
 
 1. Accuracy: `--windows` WikiText-2 test windows of 1024 tokens through the paged runner, a
    512-token prefill then chunks of 64 (every token's attention reads the pool format): NLL,
-   PPL, KL(fp32 pool || quantized pool) and top-1 agreement.
+   PPL, KL(fp32 pool || this pool) and top-1 agreement.
 2. Capacity for a fixed `--kv-cache-gib`: pages, tokens per layer, and how many 2048-token
    sequences fit at their peak.
 3. Throughput: the same random workload through the engine (`kvserve bench throughput`'s
    generator and runner) with a small pool (`--throughput-gib`) so memory limits the batch,
-   the three formats interleaved for `--rounds`.
+   the formats interleaved for `--rounds`.
 
     python benchmarks/kv_cache_dtype.py [--windows 4] [--num-prompts 32] [--rounds 2] [--json-dir results]
 """
@@ -20,7 +20,7 @@ import statistics
 import torch
 from _common import machine, save_json, wikitext2_test
 
-DTYPES = ("auto", "int8", "fp8")
+DTYPES = ("auto", "fp16", "bf16", "int8", "fp8")
 
 
 def window_logits(loaded, ids: list[int], kv_dtype: str) -> torch.Tensor:

@@ -27,8 +27,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-gib", type=float, default=None,
                    help="KV pool size in GiB (default: --max-model-len tokens in every layer, at most half the "
                         "memory available once the weights are loaded)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
-                   help="KV storage: the model's dtype, or int8 / fp8 (e4m3) with per-token, per-head scales")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   choices=["auto", "fp16", "bf16", "float16", "bfloat16", "int8", "fp8"],
+                   help="KV storage: the model's dtype; fp16 / bf16 (half an fp32 pool, computed in fp32); or "
+                        "int8 / fp8 (e4m3) with per-token, per-head scales")
     p.add_argument("--max-model-len", type=int, default=None, help="context window cap")
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV cache page (%(default)s)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -281,6 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--max-num-seqs", type=_int_list, default=[64], help="comma list: a sweep")
     tp.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
     tp.add_argument("--kv-cache-gib", type=float, default=None)
+    tp.add_argument("--kv-cache-dtype", default="auto",
+                    choices=["auto", "fp16", "bf16", "float16", "bfloat16", "int8", "fp8"])
     tp.add_argument("--hf-batch-sizes", type=_int_list, default=[], help="comma list; empty = skip HF")
     tp.add_argument("--plot", default=None, help="PNG of throughput vs --max-num-seqs")
     tp.add_argument("--json", default=None)

@@ -7,13 +7,13 @@ from kvserve.engine.model_runner import ModelRunner, StepInput
 from kvserve.model.attention import KVCache
 
 
-def all_position_logits(loaded, ids: list[int], block_size: int = 16) -> torch.Tensor:
-    """One paged prefill of `ids` through a private KV pool (in the model's dtype) -> fp32
-    logits [len(ids), vocab]."""
+def all_position_logits(loaded, ids: list[int], block_size: int = 16, kv_dtype: str = "auto") -> torch.Tensor:
+    """One paged prefill of `ids` through a private KV pool (in the model's dtype, or `kv_dtype`)
+    -> fp32 logits [len(ids), vocab]."""
     cfg = loaded.config
     blocks = -(-len(ids) // block_size)
     dtype = next(loaded.model.parameters()).dtype
-    kv = KVCache(cfg.num_layers, blocks * block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+    kv = KVCache(cfg.num_layers, blocks * block_size, cfg.num_kv_heads, cfg.head_dim, dtype, kv_dtype=kv_dtype)
     runner = ModelRunner(loaded.model, kv, block_size=block_size)
     input_ids, positions, meta, _ = runner.prepare([StepInput(ids, 0, list(range(blocks)))])
     with torch.inference_mode():

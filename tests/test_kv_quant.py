@@ -115,4 +115,4 @@ def test_bad_kv_cache_dtype_names_the_field():
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         EngineConfig(kv_cache_dtype="int4")
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
-        _cache("fp16")
+        _cache("fp4")

@@ -30,11 +30,13 @@ class KvserveEngine:
         self.loaded = load_model(spec.get("model"), opts.get("dtype", "float32"), gguf_blocks=weights == "gguf")
         self.dtype = weights or str(next(self.loaded.model.parameters()).dtype).removeprefix("torch.")
         self.dtype += ", torch.compile" if opts.get("compile") else ""
+        self.dtype += f", {opts['kv_cache_dtype']} KV" if opts.get("kv_cache_dtype") else ""
         self.max_num_seqs: list[int] = opts.get("max_num_seqs", [64])
         self.engine_args = dict(enable_prefix_caching=False,
                                 max_num_batched_tokens=opts.get("max_num_batched_tokens", 2048),
                                 kv_cache_gib=opts.get("kv_cache_gib"), **({"weights": weights} if weights else {}),
-                                **({"compile": True} if opts.get("compile") else {}))
+                                **({"compile": True} if opts.get("compile") else {}),
+                                **({"kv_cache_dtype": opts["kv_cache_dtype"]} if opts.get("kv_cache_dtype") else {}))
         cfg = self.loaded.config
         t = time.perf_counter()
         self.llm = LLM(loaded=self.loaded, max_num_seqs=1,

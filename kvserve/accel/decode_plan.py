@@ -56,7 +56,7 @@ class _Step(ctypes.Structure):
                 ("norm_rope_write", _P), ("paged_decode", _P), ("gated_act", _P), ("ggml_gemv", _P), ("ggml_q8", _P),
                 ("half_gemv", _P),
                 ("H", _I), ("KVH", _I), ("D", _I), ("hidden", _I), ("inter", _I), ("block_size", _I), ("threads", _I),
-                ("eps", _F), ("qk_eps", _F), ("scale", _F)]
+                ("kv_type", _I), ("eps", _F), ("qk_eps", _F), ("scale", _F)]
 
 
 _FUNCTIONS = {"panel_gemm": ("panel_gemm", "panel_gemm"), "int8_gemv": ("lowbit_gemv", "int8_gemv"),
@@ -154,7 +154,8 @@ class DecodePlan:
             raise _Unsupported("not all Gemma 3 or all Llama layers")
         if cfg.moe is not None:
             raise _Unsupported("mixture-of-experts layers")
-        if kv_cache.quantized or kv_cache.dtype != torch.float32 or cfg.kv_source is not None:
+        if (kv_cache.quantized or kv_cache.dtype != torch.float32 or cfg.kv_source is not None
+                or kernels.kv_type_code(kv_cache.k[0].dtype) is None):
             raise _Unsupported("quantized, non-fp32 or shared KV")
         acts = {"gelu_tanh_mul" if layer.mlp.gelu_tanh else "silu_mul" if layer.mlp.silu else None
                 for layer in model.layers}
@@ -205,6 +206,7 @@ class DecodePlan:
         self._ctxs = (_Ctx * len(self._ctx_keys))()
         self._step = _Step(**addresses, H=cfg.num_heads, KVH=cfg.num_kv_heads, D=cfg.head_dim,
                            hidden=cfg.hidden_size, inter=cfg.intermediate_size, block_size=0, threads=1,
+                           kv_type=kernels.kv_type_code(kv_cache.k[0].dtype),
                            eps=norm_eps.pop(), qk_eps=first.q_norm.eps if first.q_norm is not None else 0.0,
                            scale=first.scale)
         # What current() compares, laid out once: it runs every step over ~400 tensors, and the

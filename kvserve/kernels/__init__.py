@@ -44,9 +44,10 @@ def _cpu_signature() -> str:
     return platform.processor() or platform.machine()
 
 
-# Libraries a source links beyond libm: gelu.c and prefill_attention.c call glibc's vector tanhf /
-# expf (libmvec); where it is missing the build fails and that kernel falls back to torch.
-_LIBS = {"gelu.c": ["-lmvec"], "prefill_attention.c": ["-lmvec"]}
+# Libraries a source links beyond libm: gelu.c, prefill_attention.c and paged_attention.c call
+# glibc's vector tanhf / expf (libmvec); where it is missing the build fails and that kernel falls
+# back to torch.
+_LIBS = {"gelu.c": ["-lmvec"], "prefill_attention.c": ["-lmvec"], "paged_attention.c": ["-lmvec"]}
 
 
 COMPILE_TIMEOUT_S = 300  # one kernel builds in seconds; a hung compiler must not hang the engine
@@ -115,10 +116,10 @@ def _load(name: str) -> ctypes.CDLL | None:
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 # kernels/<source>.c -> {function: (argtypes, restype)}
 _SIGNATURES: dict[str, dict[str, tuple[list, object]]] = {
-    "paged_attention": {"paged_decode": ([_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I, _I],
+    "paged_attention": {"paged_decode": ([_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I, _I, _I],
                                          ctypes.c_int)},
     "prefill_attention": {"prefill_attention_available": ([], ctypes.c_int),  # prefill chunks from the pool
-                          "prefill_attention": ([_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _F, _I],
+                          "prefill_attention": ([_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _F, _I, _I],
                                                 ctypes.c_int)},
     "lowbit_gemv": {"int8_gemv": ([_P, _P, _P, _P, _I, _I, _I, _I], None),  # a few rows, int8 / int4 weights
                     "int4_gemv": ([_P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I], ctypes.c_int),
@@ -132,7 +133,7 @@ _SIGNATURES: dict[str, dict[str, tuple[list, object]]] = {
     "rms_norm": {"rms_norm": ([_P, _P, _P, _I, _I, _F, _I], None),  # a few fp32 rows
                  "add_rms_norm": ([_P, _P, _P, _P, _P, _P, _I, _I, _F, _I], None)},
     "rope_cache": {"norm_rope_write": ([_P, _L, _P, _L, _P, _L, _I, _I, _I, _I, _P, _P, _F, _P, _P, _P, _P, _P, _P,
-                                        _I], None)},  # a decode step's attention prologue
+                                        _I, _I], None)},  # a decode step's attention prologue
     "argmax": {"argmax_rows": ([_P, _P, _I, ctypes.c_int64, _I], None)},  # greedy picks
     "token_mask": {"apply_token_bitmask": ([_P, _P, _P, _I, _L, _L, _I], None)},  # structured outputs
     "gelu": {"gelu_tanh_mul": ([_P, _P, _P, _I, _I, _L, _I], None),  # Gemma's MLP activation
@@ -176,6 +177,22 @@ def _f32_cpu(*tensors: torch.Tensor | None) -> bool:
     """Every tensor given (None skipped) is fp32 on the CPU. (Cheap checks: this runs ~40 times a
     decode step, where a few microseconds of Python per call add up.)"""
     return all(t is None or (t.dtype is _F32 and t.is_cpu) for t in tensors)
+
+
+# The KV pool's element types the fp32 CPU kernels read and write (kernels/kv_row.h)
+_KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def kv_type_code(dtype: torch.dtype) -> int | None:
+    """kv_row.h's code for a pool dtype, None for one the kernels do not take."""
+    return _KV_TYPES.get(dtype)
+
+
+def _kv_pools_cpu(k_pool: torch.Tensor, v_pool: torch.Tensor) -> int | None:
+    """The kv_row.h code of two contiguous CPU pools of one kernel-readable dtype, else None."""
+    if not (k_pool.is_cpu and k_pool.dtype == v_pool.dtype and k_pool.is_contiguous() and v_pool.is_contiguous()):
+        return None
+    return _KV_TYPES.get(k_pool.dtype)
 
 
 def paged_attention_lib() -> ctypes.CDLL | None:
@@ -237,17 +254,18 @@ def norm_rope_write(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | N
     """The attention prologue in one C call (kvserve/kernels/rope_cache.c): q [T, H, D] and k, v
     [T, KVH, D] fp32 -> q normed (when q_gain) and rotated [T, H, D]; k normed (when k_gain),
     rotated and written with v into k_pool, v_pool [slots, KVH, D] at `slots` [T] int64. k None:
-    rotate q only. cos, sin [T, D]. None where it does not apply (the caller runs the torch ops)."""
+    rotate q only. cos, sin [T, D]. The pools may hold fp32, bf16 or fp16 (rounded as `.to()`
+    rounds). None where it does not apply (the caller runs the torch ops)."""
     if not (_f32_cpu(q, cos, sin, q_gain, k_gain) and cos.is_contiguous() and sin.is_contiguous()) or q.shape[2] % 2:
         return None
     if any(g is not None and not g.is_contiguous() for g in (q_gain, k_gain)):
         return None
     T, H, D = q.shape
-    q_stride, k_stride, v_stride, kvh = _row_stride(q), 0, 0, 0
+    q_stride, k_stride, v_stride, kvh, kv_type = _row_stride(q), 0, 0, 0, 0
     if k is not None:
-        if not (_f32_cpu(k, v, k_pool, v_pool) and k_pool.is_contiguous() and v_pool.is_contiguous()
-                and slots.dtype is torch.int64 and slots.is_contiguous() and k_pool.shape[1:] == k.shape[1:]
-                and v_pool.shape[1:] == v.shape[1:] == k.shape[1:]):
+        kv_type = _kv_pools_cpu(k_pool, v_pool)
+        if not (_f32_cpu(k, v) and kv_type is not None and slots.dtype is torch.int64 and slots.is_contiguous()
+                and k_pool.shape[1:] == k.shape[1:] and v_pool.shape[1:] == v.shape[1:] == k.shape[1:]):
             return None
         k_stride, v_stride, kvh = _row_stride(k), _row_stride(v), k.shape[1]
     if q_stride is None or k_stride is None or v_stride is None:
@@ -259,7 +277,7 @@ def norm_rope_write(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | N
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     lib.norm_rope_write(q.data_ptr(), q_stride, ptr(k), k_stride, ptr(v), v_stride, T, H, kvh, D, ptr(q_gain),
                         ptr(k_gain), eps, cos.data_ptr(), sin.data_ptr(), ptr(slots), ptr(k_pool), ptr(v_pool),
-                        out.data_ptr(), torch.get_num_threads())
+                        out.data_ptr(), torch.get_num_threads(), kv_type)
     return out
 
 
@@ -565,7 +583,7 @@ def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tenso
                       out: torch.Tensor | None = None) -> torch.Tensor | None:
     """One sequence's chunk of queries against its context in the paged pool, with the C kernel
     (kernels/prefill_attention.c); None where it does not apply (no kernel, not fp32 on the CPU,
-    head_dim not a multiple of 16) and the caller uses SDPA.
+    head_dim not a multiple of 16) and the caller uses SDPA. The pool may hold fp32, bf16 or fp16.
 
     q [T, H, D], query t at position first_q + t; k_pool, v_pool [slots, KVH, D]; slots [n] int64,
     slots[j] holding position first_kv + j. Query position x attends p in [first_kv, x], and
@@ -573,9 +591,10 @@ def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tenso
     """
     if q.is_cuda:
         return _triton_prefill(q, k_pool, v_pool, slots, first_kv, first_q, window, scale, out)
-    if not _f32_cpu(q, k_pool, v_pool) or q.shape[-1] % 16 or q.shape[1] % k_pool.shape[1]:
+    kv_type = _kv_pools_cpu(k_pool, v_pool)
+    if not _f32_cpu(q) or kv_type is None or q.shape[-1] % 16 or q.shape[1] % k_pool.shape[1]:
         return None
-    if not (k_pool.is_contiguous() and v_pool.is_contiguous()) or slots.dtype != torch.int64:
+    if slots.dtype != torch.int64:
         return None
     if out is not None and not (out.is_contiguous() and out.shape == q.shape and out.dtype == q.dtype):
         return None
@@ -588,7 +607,7 @@ def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tenso
         out = torch.empty_like(q)
     rc = lib.prefill_attention(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), slots.data_ptr(), out.data_ptr(),
                                T, H, k_pool.shape[1], D, slots.shape[0], first_kv, first_q, window or 0, scale,
-                               torch.get_num_threads())
+                               torch.get_num_threads(), kv_type)
     if rc == -1:
         raise MemoryError("prefill attention kernel could not allocate its scratch memory")
     return out if rc == 0 else None
@@ -597,7 +616,8 @@ def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tenso
 def paged_decode_attention(q, k_pool, v_pool, tables, starts, lens, block_size: int, scale: float,
                            max_len: int):
     """Decode attention from the paged pool with the C kernel; None where it does not apply
-    (no kernel, not CPU, a dtype other than fp32/bf16), and the caller uses the torch path.
+    (no kernel, not CPU, q other than fp32 / bf16 or a pool the kernel does not read), and the
+    caller uses the torch path. fp32 q reads fp32, bf16 or fp16 pools; bf16 q a bf16 pool.
 
     q [B, H, D]; k_pool, v_pool [slots, KVH, D]; tables [B, max_blocks] int32; starts, lens [B]
     int32 (sequence b attends positions [starts[b], lens[b])); max_len = max(lens). -> [B, H, D].
@@ -606,9 +626,10 @@ def paged_decode_attention(q, k_pool, v_pool, tables, starts, lens, block_size: 
     """
     if q.is_cuda:
         return _triton_decode(q, k_pool, v_pool, tables, starts, lens, block_size, scale, max_len)
-    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16) or k_pool.dtype != q.dtype:
+    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16):
         return None  # checked first: a CUDA run never compiles the CPU kernel
-    if not (k_pool.is_contiguous() and v_pool.is_contiguous()):
+    kv_type = _kv_pools_cpu(k_pool, v_pool)
+    if kv_type is None or (q.dtype == torch.bfloat16 and k_pool.dtype != q.dtype):
         return None
     lib = paged_attention_lib()
     if lib is None:
@@ -625,7 +646,7 @@ def paged_decode_attention(q, k_pool, v_pool, tables, starts, lens, block_size: 
     out = torch.empty_like(q)
     rc = lib.paged_decode(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), tables.data_ptr(), starts.data_ptr(),
                           lens.data_ptr(), out.data_ptr(), B, H, kvh, D, block_size, tables.shape[1], splits, scale,
-                          threads, int(q.dtype == torch.bfloat16))
+                          threads, int(q.dtype == torch.bfloat16), kv_type)
     if rc != 0:
         raise MemoryError("paged attention kernel could not allocate its scratch memory")
     return out

@@ -23,9 +23,9 @@ typedef void (*add_rms_norm_fn)(const float *, const float *, const float *, flo
                                 int, float, int);
 typedef void (*norm_rope_write_fn)(const float *, int64_t, const float *, int64_t, const float *, int64_t, int, int,
                                    int, int, const float *, const float *, float, const float *, const float *,
-                                   const int64_t *, float *, float *, float *, int);
+                                   const int64_t *, void *, void *, float *, int, int);
 typedef int (*paged_decode_fn)(const void *, const void *, const void *, const int32_t *, const int32_t *,
-                               const int32_t *, void *, int, int, int, int, int, int, int, float, int, int);
+                               const int32_t *, void *, int, int, int, int, int, int, int, float, int, int, int);
 typedef void (*gated_act_fn)(const float *, const float *, float *, int, int, int64_t, int);
 typedef int (*ggml_gemv_fn)(const float *, const uint8_t *, int, float *, int, int, int, int64_t, int);
 typedef void (*half_gemv_fn)(const float *, const uint16_t *, int, float *, int, int, int, int);
@@ -54,7 +54,7 @@ typedef struct {
     int n_qkv, n_gate_up;
     /* g_q / g_k NULL: no q/k norm; g_post_attn / g_post_ff NULL: no post norms (Llama) */
     const float *g_in, *g_post_attn, *g_pre_ff, *g_post_ff, *g_q, *g_k;
-    float *k_pool, *v_pool;
+    void *k_pool, *v_pool; /* Step.kv_type elements (kv_row.h) */
     int ctx;
 } Layer;
 
@@ -69,7 +69,7 @@ typedef struct {
     gated_act_fn gated_act; /* gelu_tanh_mul or silu_mul */
     ggml_gemv_fn ggml_gemv, ggml_q8;
     half_gemv_fn half_gemv;
-    int H, KVH, D, hidden, inter, block_size, threads;
+    int H, KVH, D, hidden, inter, block_size, threads, kv_type;
     float eps, qk_eps, scale;
 } Step;
 
@@ -129,13 +129,13 @@ int decode_layers(const Step *s, const Layer *layers, const Ctx *ctxs, int L, fl
         s->rms_norm(h, ly->g_in, x, 1, hid, s->eps, s->threads);
         rc |= linear_parts(s, ly->qkv, ly->n_qkv, x, qkv, scratch);
         s->norm_rope_write(qkv, H * D, qkv + H * D, KVH * D, qkv + (H + KVH) * D, KVH * D, 1, H, KVH, D, ly->g_q,
-                           ly->g_k, s->qk_eps, c->cos, c->sin, c->slot, ly->k_pool, ly->v_pool, q, s->threads);
+                           ly->g_k, s->qk_eps, c->cos, c->sin, c->slot, ly->k_pool, ly->v_pool, q, s->threads, s->kv_type);
         /* the kernel's own split rule (kvserve.kernels.paged_decode_attention, max_len = len) */
         int splits = (4 * s->threads + KVH - 1) / KVH, by_len = (c->len[0] + 63) / 64;
         splits = splits < by_len ? splits : by_len;
         splits = splits < 1 ? 1 : splits;
         rc |= s->paged_decode(q, ly->k_pool, ly->v_pool, c->table, c->start, c->len, att, 1, H, KVH, D, s->block_size,
-                              c->max_blocks, splits, s->scale, s->threads, 0);
+                              c->max_blocks, splits, s->scale, s->threads, 0, s->kv_type);
         rc |= linear(s, &ly->o, att, o, scratch);
         if (ly->g_post_attn) {
             s->add_rms_norm(o, ly->g_post_attn, h, h2, ly->g_pre_ff, x, 1, hid, s->eps, s->threads);

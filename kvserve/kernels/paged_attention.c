@@ -10,46 +10,30 @@
  * decode still uses every core.
  *
  * Layouts (all contiguous):
- *   q        [B, H, D]            fp32 or bf16 (dtype: 0 = fp32, 1 = bf16)
- *   k, v     [slots, KVH, D]      same dtype; slot = block_table[p / bs] * bs + p % bs
+ *   q        [B, H, D]            fp32 or bf16 (q_bf16)
+ *   k, v     [slots, KVH, D]      kv_type (kv_row.h): fp32, bf16 or fp16; slot = block_table[p / bs] * bs + p % bs
  *   tables   [B, max_blocks]      int32
  *   starts   [B], lens [B]        int32: sequence b attends positions [starts[b], lens[b])
  *   out      [B, H, D]            same dtype as q
- * Arithmetic is fp32 throughout (bf16 products are exact in fp32).
+ * Arithmetic is fp32 throughout (bf16 products are exact in fp32); 16-bit K/V rows are widened
+ * once into L1 and scored there for all G heads.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "kv_row.h"
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define HAVE_DPBF16 1
 #endif
-
-static inline float bf16_to_f32(uint16_t x) {
-    union { uint32_t u; float f; } c = {.u = (uint32_t)x << 16}; /* bf16 is the top half of fp32 */
-    return c.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    union { float f; uint32_t u; } c = {.f = f};
-    uint32_t u = c.u;
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even, as torch does */
-    return (uint16_t)(u >> 16);
-}
-
-/* One K or V row as fp32: bf16 rows are widened into `row` (then in L1 for all G heads); fp32
- * rows are used in place. */
-static inline const float *load_row(const void *base, int64_t offset, int bf16, int D, float *restrict row) {
-    if (!bf16) return (const float *)base + offset;
-    const uint16_t *src = (const uint16_t *)base + offset;
-#pragma omp simd
-    for (int d = 0; d < D; d++) row[d] = bf16_to_f32(src[d]);
-    return row;
-}
+#if defined(__AVX512F__)
+__m512 _ZGVeN16v_expf(__m512); /* glibc's vector expf (libmvec) */
+#elif defined(__AVX2__) && defined(__FMA__)
+__m256 _ZGVdN8v_expf(__m256);
+#endif
 
 static inline float dot(const float *restrict a, const float *restrict b, int D) {
     float s = 0.f;
@@ -128,7 +112,7 @@ typedef struct {
     const void *q, *k, *v;
     const int32_t *tables, *starts, *lens;
     void *out;
-    int B, H, KVH, D, bs, max_blocks, splits, bf16;
+    int B, H, KVH, D, bs, max_blocks, splits, q_bf16, kv;
     float scale;
 } Args;
 
@@ -141,10 +125,151 @@ static inline int64_t slot_offset(const Args *a, const int32_t *table, int p, in
  * 1.02-1.05x per call (docs/ARCHITECTURE.md, "Measured decisions"; most of the win there is `dots`). */
 #define PREFETCH_ROWS 4
 static inline void prefetch_row(const Args *a, const void *base, const int32_t *table, int p, int kvh) {
-    const int elem = a->bf16 ? 2 : 4;
+    const int elem = kv_elem_size(a->kv);
     const char *row = (const char *)base + slot_offset(a, table, p, kvh) * elem;
     for (int c = 0; c < a->D * elem; c += 64) __builtin_prefetch(row + c);
 }
+
+/* s[i] = exp(s[i] - m) for i < n -> their sum; in vector registers where the CPU has them (the
+ * scalar loop was ~1/6 of a call). */
+static inline float exp_sum(float *s, int n, float m) {
+    int i = 0;
+    float l = 0.f;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_loadu_ps(s + i), _mm512_set1_ps(m)));
+        _mm512_storeu_ps(s + i, e);
+        acc = _mm512_add_ps(acc, e);
+    }
+    l = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        const __m256 e = _ZGVdN8v_expf(_mm256_sub_ps(_mm256_loadu_ps(s + i), _mm256_set1_ps(m)));
+        _mm256_storeu_ps(s + i, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float t[8];
+    _mm256_storeu_ps(t, acc);
+    for (int j = 0; j < 8; j++) l += t[j];
+#endif
+    for (; i < n; i++) l += (s[i] = expf(s[i] - m));
+    return l;
+}
+
+#if defined(__AVX512F__)
+#define PV_ROWS 16 /* V rows weighed per block (16 KB of fp32 at D = 256: in L1) */
+/* acc[h] += sum_i w[h * ws + i] * rows[i] for NH (1 or 4) heads over m rows, D a multiple of 64:
+ * each 64-float slice of the NH outputs stays in registers over the block, so the accumulators
+ * go through memory once a block instead of once a row. */
+static inline __attribute__((always_inline)) void weigh_rows(const float *const *rows, int m, const float *w,
+                                                             int ws, float *acc, int D, const int NH) {
+    for (int d0 = 0; d0 < D; d0 += 64) {
+        __m512 o[4][4];
+        for (int h = 0; h < NH; h++)
+            for (int j = 0; j < 4; j++) o[h][j] = _mm512_loadu_ps(acc + (int64_t)h * D + d0 + 16 * j);
+        for (int i = 0; i < m; i++) {
+            const float *r = rows[i] + d0;
+            const __m512 v0 = _mm512_loadu_ps(r), v1 = _mm512_loadu_ps(r + 16);
+            const __m512 v2 = _mm512_loadu_ps(r + 32), v3 = _mm512_loadu_ps(r + 48);
+            for (int h = 0; h < NH; h++) {
+                const __m512 x = _mm512_set1_ps(w[h * ws + i]);
+                o[h][0] = _mm512_fmadd_ps(x, v0, o[h][0]);
+                o[h][1] = _mm512_fmadd_ps(x, v1, o[h][1]);
+                o[h][2] = _mm512_fmadd_ps(x, v2, o[h][2]);
+                o[h][3] = _mm512_fmadd_ps(x, v3, o[h][3]);
+            }
+        }
+        for (int h = 0; h < NH; h++)
+            for (int j = 0; j < 4; j++) _mm512_storeu_ps(acc + (int64_t)h * D + d0 + 16 * j, o[h][j]);
+    }
+}
+
+/* 16 K elements at element offset `off` of the pool as fp32 (a 16-bit pool widened in registers). */
+static inline __attribute__((always_inline)) __m512 load16(const void *base, int64_t off, const int type) {
+    if (type == KV_F32) return _mm512_loadu_ps((const float *)base + off);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off));
+    if (type == KV_F16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); /* bf16: the top half */
+}
+
+/* out[h * ws + r] = q[h] . k_r for NR rows (at element offsets off[r]) and NH heads (1 or 4),
+ * D a multiple of 16: each q load serves NR rows and each K load NH heads (the one-row loop was
+ * bound by its q loads). */
+static inline __attribute__((always_inline)) void score_tile(const void *base, const int64_t *off, const float *q,
+                                                             int D, const int type, float *out, int ws,
+                                                             const int NR, const int NH) {
+    __m512 acc[4][4];
+    for (int h = 0; h < NH; h++)
+        for (int r = 0; r < NR; r++) acc[h][r] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 16) {
+        __m512 k[4];
+        for (int r = 0; r < NR; r++) k[r] = load16(base, off[r] + d, type);
+        for (int h = 0; h < NH; h++) {
+            const __m512 qv = _mm512_loadu_ps(q + (int64_t)h * D + d);
+            for (int r = 0; r < NR; r++) acc[h][r] = _mm512_fmadd_ps(qv, k[r], acc[h][r]);
+        }
+    }
+    for (int h = 0; h < NH; h++)
+        for (int r = 0; r < NR; r++) out[(int64_t)h * ws + r] = _mm512_reduce_add_ps(acc[h][r]);
+}
+
+/* Pass 1 in blocks of 4 positions: scores [G, n] (unscaled) of positions [p0, p1). */
+static inline __attribute__((always_inline)) void score_range_t(const Args *a, const int32_t *table, int kvh, int p0,
+                                                                int p1, const float *qh, float *scores,
+                                                                const int type) {
+    const int G = a->H / a->KVH, D = a->D, n = p1 - p0;
+    for (int pb = p0; pb < p1; pb += 4) {
+        const int m = p1 - pb < 4 ? p1 - pb : 4;
+        int64_t off[4];
+        for (int i = 0; i < m; i++) {
+            off[i] = slot_offset(a, table, pb + i, kvh);
+            if (PREFETCH_ROWS && pb + i + PREFETCH_ROWS < p1) prefetch_row(a, a->k, table, pb + i + PREFETCH_ROWS, kvh);
+        }
+        float *out = scores + (pb - p0);
+        int g = 0;
+        for (; g + 4 <= G; g += 4) {
+            const float *qg = qh + (int64_t)g * D;
+            if (m == 4) score_tile(a->k, off, qg, D, type, out + (int64_t)g * n, n, 4, 4);
+            else
+                for (int i = 0; i < m; i++) score_tile(a->k, off + i, qg, D, type, out + (int64_t)g * n + i, n, 1, 4);
+        }
+        for (; g < G; g++) {
+            const float *qg = qh + (int64_t)g * D;
+            if (m == 4) score_tile(a->k, off, qg, D, type, out + (int64_t)g * n, n, 4, 1);
+            else
+                for (int i = 0; i < m; i++) score_tile(a->k, off + i, qg, D, type, out + (int64_t)g * n + i, n, 1, 1);
+        }
+    }
+}
+
+static void score_range(const Args *a, const int32_t *table, int kvh, int p0, int p1, const float *qh,
+                        float *scores) {
+    if (a->kv == KV_F16) score_range_t(a, table, kvh, p0, p1, qh, scores, KV_F16);
+    else if (a->kv == KV_BF16) score_range_t(a, table, kvh, p0, p1, qh, scores, KV_BF16);
+    else score_range_t(a, table, kvh, p0, p1, qh, scores, KV_F32);
+}
+
+/* Pass 2 in blocks of PV_ROWS positions: the block's V rows (16-bit ones widened into `buf`
+ * [PV_ROWS, D]) weighed by every head's scores [G, n]. */
+static void weigh_range(const Args *a, const int32_t *table, int kvh, int p0, int p1, const float *scores,
+                        float *acc, float *buf) {
+    const int G = a->H / a->KVH, D = a->D, n = p1 - p0;
+    const float *rows[PV_ROWS];
+    for (int pb = p0; pb < p1; pb += PV_ROWS) {
+        const int m = p1 - pb < PV_ROWS ? p1 - pb : PV_ROWS;
+        for (int i = 0; i < m; i++) {
+            if (PREFETCH_ROWS && pb + i + PREFETCH_ROWS < p1) prefetch_row(a, a->v, table, pb + i + PREFETCH_ROWS, kvh);
+            rows[i] = kv_load_row(a->v, slot_offset(a, table, pb + i, kvh), a->kv, D, buf + (int64_t)i * D);
+        }
+        const float *w = scores + (pb - p0);
+        int g = 0;
+        for (; g + 4 <= G; g += 4) weigh_rows(rows, m, w + (int64_t)g * n, n, acc + (int64_t)g * D, D, 4);
+        for (; g < G; g++) weigh_rows(rows, m, w + (int64_t)g * n, n, acc + (int64_t)g * D, D, 1);
+    }
+}
+#endif
 
 /* Positions [p0, p1) of sequence b against KV head kvh: fills `part`. scores: [G, p1 - p0]. */
 static void attend_range(const Args *a, int b, int kvh, int p0, int p1, float *scores, Partial part) {
@@ -153,18 +278,32 @@ static void attend_range(const Args *a, int b, int kvh, int p0, int p1, float *s
     const int64_t q0 = ((int64_t)b * a->H + (int64_t)kvh * G) * D; /* this task's G query rows */
     float qh[G * D], row[D], sc[G];
     for (int i = 0; i < G * D; i++)
-        qh[i] = a->bf16 ? bf16_to_f32(((const uint16_t *)a->q)[q0 + i]) : ((const float *)a->q)[q0 + i];
+        qh[i] = a->q_bf16 ? kv_bf16_to_f32(((const uint16_t *)a->q)[q0 + i]) : ((const float *)a->q)[q0 + i];
 #ifdef HAVE_DPBF16
-    const int use_dp = a->bf16 && D % 32 == 0;
+    const int use_dp = a->q_bf16 && a->kv == KV_BF16 && D % 32 == 0;
 #else
     const int use_dp = 0;
 #endif
     /* pass 1: scores and the max per head */
     for (int g = 0; g < G; g++) part.m[g] = -INFINITY;
+#if defined(__AVX512F__)
+    if (!use_dp && D % 16 == 0) {
+        score_range(a, table, kvh, p0, p1, qh, scores);
+        for (int g = 0; g < G; g++) {
+            float *sg = scores + (int64_t)g * n, mx = -INFINITY;
+            for (int i = 0; i < n; i++) {
+                sg[i] *= a->scale;
+                mx = sg[i] > mx ? sg[i] : mx;
+            }
+            part.m[g] = mx;
+        }
+        goto softmax;
+    }
+#endif
     for (int p = p0; p < p1; p++) {
         const int64_t off = slot_offset(a, table, p, kvh);
         if (PREFETCH_ROWS && p + PREFETCH_ROWS < p1) prefetch_row(a, a->k, table, p + PREFETCH_ROWS, kvh);
-        const float *kr = use_dp ? NULL : load_row(a->k, off, a->bf16, D, row);
+        const float *kr = use_dp ? NULL : kv_load_row(a->k, off, a->kv, D, row);
         if (!use_dp) dots(qh, kr, G, D, sc);
         for (int g = 0; g < G; g++) {
             float s = sc[g];
@@ -176,20 +315,23 @@ static void attend_range(const Args *a, int b, int kvh, int p0, int p1, float *s
             if (s > part.m[g]) part.m[g] = s;
         }
     }
+#if defined(__AVX512F__)
+softmax:
+#endif
     /* exp and sum per head */
-    for (int g = 0; g < G; g++) {
-        float *sg = scores + (int64_t)g * n, l = 0.f;
-        for (int i = 0; i < n; i++) {
-            sg[i] = expf(sg[i] - part.m[g]);
-            l += sg[i];
-        }
-        part.l[g] = l;
-    }
+    for (int g = 0; g < G; g++) part.l[g] = exp_sum(scores + (int64_t)g * n, n, part.m[g]);
     /* pass 2: the weighted sum of V rows */
     memset(part.acc, 0, sizeof(float) * G * D);
+#if defined(__AVX512F__)
+    if (D % 64 == 0) {
+        float buf[a->kv == KV_F32 ? 1 : PV_ROWS * D];
+        weigh_range(a, table, kvh, p0, p1, scores, part.acc, buf);
+        return;
+    }
+#endif
     for (int p = p0; p < p1; p++) {
         if (PREFETCH_ROWS && p + PREFETCH_ROWS < p1) prefetch_row(a, a->v, table, p + PREFETCH_ROWS, kvh);
-        const float *vr = load_row(a->v, slot_offset(a, table, p, kvh), a->bf16, D, row);
+        const float *vr = kv_load_row(a->v, slot_offset(a, table, p, kvh), a->kv, D, row);
         for (int g = 0; g < G; g++) {
             const float w = scores[(int64_t)g * n + (p - p0)];
             float *restrict ag = part.acc + (int64_t)g * D;
@@ -200,9 +342,9 @@ static void attend_range(const Args *a, int b, int kvh, int p0, int p1, float *s
 }
 
 static inline void store(const Args *a, int64_t index, const float *o, float inv_l) {
-    if (a->bf16) {
+    if (a->q_bf16) {
         uint16_t *dst = (uint16_t *)a->out + index;
-        for (int d = 0; d < a->D; d++) dst[d] = f32_to_bf16(o[d] * inv_l);
+        for (int d = 0; d < a->D; d++) dst[d] = kv_f32_to_bf16(o[d] * inv_l);
     } else {
         float *dst = (float *)a->out + index;
         for (int d = 0; d < a->D; d++) dst[d] = o[d] * inv_l;
@@ -211,8 +353,8 @@ static inline void store(const Args *a, int64_t index, const float *o, float inv
 
 int paged_decode(const void *q, const void *k, const void *v, const int32_t *tables, const int32_t *starts,
                  const int32_t *lens, void *out, int B, int H, int KVH, int D, int bs, int max_blocks, int splits,
-                 float scale, int num_threads, int bf16) {
-    const Args a = {q, k, v, tables, starts, lens, out, B, H, KVH, D, bs, max_blocks, splits, bf16, scale};
+                 float scale, int num_threads, int q_bf16, int kv_type) {
+    const Args a = {q, k, v, tables, starts, lens, out, B, H, KVH, D, bs, max_blocks, splits, q_bf16, kv_type, scale};
     const int G = H / KVH, ntasks = B * KVH * splits;
     const size_t part_floats = (size_t)G * (D + 2);
     float *parts = malloc(sizeof(float) * (size_t)ntasks * part_floats);

@@ -13,9 +13,10 @@
  * (below): S = Q K^T in tiles of MR rows x 16 positions (q[i, d] broadcast per d), O += P V in
  * tiles of MR rows x 16 dims (P[i, j] broadcast per position).
  *
- * Layouts (all fp32, contiguous):
+ * Layouts (contiguous; fp32 but the pool, whose kv_type is fp32, bf16 or fp16: kv_row.h):
  *   q      [T, H, D]          query t is at position first_q + t
- *   k, v   [slots, KVH, D]    the pool; slots[j] holds position first_kv + j, j < n
+ *   k, v   [slots, KVH, D]    the pool; slots[j] holds position first_kv + j, j < n (widened to
+ *                             fp32 as they are packed)
  *   out    [T, H, D]
  * Query position x sees kv position p iff p <= x and (window == 0 or p > x - window).
  * Returns 0, or -1 when scratch memory could not be allocated (out is then not written).
@@ -24,6 +25,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "kv_row.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -182,8 +184,9 @@ static void attend_task(const float *q, const float *kp, const float *vp, int np
     }
 }
 
-int prefill_attention(const float *q, const float *k, const float *v, const int64_t *slots, float *out, int T, int H,
-                      int KVH, int D, int n, int first_kv, int first_q, int window, float scale, int threads) {
+int prefill_attention(const float *q, const void *k, const void *v, const int64_t *slots, float *out, int T, int H,
+                      int KVH, int D, int n, int first_kv, int first_q, int window, float scale, int threads,
+                      int kv_type) {
     if (D % 16 || H % KVH || n < 1 || T < 1) return -2;
     const int G = H / KVH, np = (n + 15) & ~15, R = BQ * G;
     const int tiles = (T + BQ - 1) / BQ, tasks = tiles * KVH;
@@ -209,7 +212,9 @@ int prefill_attention(const float *q, const float *k, const float *v, const int6
                 for (int d = 0; d < D; d++) kd[(size_t)d * 16] = 0.f;
                 continue;
             }
-            const float *kr = k + ((size_t)slots[j] * KVH + h) * D, *vr = v + ((size_t)slots[j] * KVH + h) * D;
+            float krow[D], vrow[D]; /* a 16-bit pool's rows widened to fp32 (kv_row.h) */
+            const int64_t off = ((int64_t)slots[j] * KVH + h) * D;
+            const float *kr = kv_load_row(k, off, kv_type, D, krow), *vr = kv_load_row(v, off, kv_type, D, vrow);
             for (int d = 0; d < D; d++) kd[(size_t)d * 16] = kr[d];
             for (int d = 0; d < D; d += 16) memcpy(vd + (size_t)(d / 16) * np * 16, vr + d, 16 * sizeof(float));
         }
@@ -232,10 +237,11 @@ int prefill_attention(const float *q, const float *k, const float *v, const int6
 }
 #else
 int prefill_attention_available(void) { return 0; }
-int prefill_attention(const float *q, const float *k, const float *v, const int64_t *slots, float *out, int T, int H,
-                      int KVH, int D, int n, int first_kv, int first_q, int window, float scale, int threads) {
+int prefill_attention(const float *q, const void *k, const void *v, const int64_t *slots, float *out, int T, int H,
+                      int KVH, int D, int n, int first_kv, int first_q, int window, float scale, int threads,
+                      int kv_type) {
     (void)q, (void)k, (void)v, (void)slots, (void)out, (void)T, (void)H, (void)KVH, (void)D, (void)n, (void)first_kv,
-        (void)first_q, (void)window, (void)scale, (void)threads;
+        (void)first_q, (void)window, (void)scale, (void)threads, (void)kv_type;
     return -2;
 }
 #endif

@@ -10,9 +10,11 @@
  * Layouts (fp32): q [T, H, D] and k, v [T, KVH, D] with a row stride in floats (views into a
  * fused qkv output are fine); cos, sin [T, D]; slots [T] int64; k_pool, v_pool [slots, KVH, D];
  * q_out [T, H, D] contiguous. k == NULL: a layer without K/V of its own (only q is rotated).
- * q_gain / k_gain NULL: no norm. */
+ * q_gain / k_gain NULL: no norm. The pools hold kv_type elements (kv_row.h: fp32, bf16 or fp16);
+ * 16-bit pools get each row rounded as torch's `.to()` rounds it. */
 #include <stdint.h>
 #include <string.h>
+#include "kv_row.h"
 #include "norm_row.h"
 
 static void rotate(const float *x, const float *cos, const float *sin, float *out, int D) {
@@ -25,11 +27,11 @@ static void rotate(const float *x, const float *cos, const float *sin, float *ou
 
 void norm_rope_write(const float *q, int64_t q_stride, const float *k, int64_t k_stride, const float *v,
                      int64_t v_stride, int T, int H, int KVH, int D, const float *q_gain, const float *k_gain,
-                     float eps, const float *cos, const float *sin, const int64_t *slots, float *k_pool,
-                     float *v_pool, float *q_out, int threads) {
+                     float eps, const float *cos, const float *sin, const int64_t *slots, void *k_pool,
+                     void *v_pool, float *q_out, int threads, int kv_type) {
 #pragma omp parallel for num_threads(threads) if (T >= 8) schedule(static)
     for (int t = 0; t < T; t++) {
-        float tmp[D];
+        float tmp[D], rot[D];
         const float *ct = cos + (int64_t)t * D, *st = sin + (int64_t)t * D;
         for (int h = 0; h < H; h++) {
             const float *x = q + t * q_stride + (int64_t)h * D;
@@ -47,8 +49,14 @@ void norm_rope_write(const float *q, int64_t q_stride, const float *k, int64_t k
                 norm_row(x, k_gain, tmp, D, eps);
                 x = tmp;
             }
-            rotate(x, ct, st, k_pool + base + (int64_t)h * D, D);
-            memcpy(v_pool + base + (int64_t)h * D, v + t * v_stride + (int64_t)h * D, sizeof(float) * D);
+            if (kv_type == KV_F32) {
+                rotate(x, ct, st, (float *)k_pool + base + (int64_t)h * D, D);
+                memcpy((float *)v_pool + base + (int64_t)h * D, v + t * v_stride + (int64_t)h * D, sizeof(float) * D);
+            } else {
+                rotate(x, ct, st, rot, D);
+                kv_store_row(k_pool, base + (int64_t)h * D, kv_type, D, rot);
+                kv_store_row(v_pool, base + (int64_t)h * D, kv_type, D, v + t * v_stride + (int64_t)h * D);
+            }
         }
     }
 }

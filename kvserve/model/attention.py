@@ -28,7 +28,10 @@ from kvserve.model.state_cache import RecurrentMetadata
 # KV-cache storage formats besides the model's dtype: codes plus one fp32 scale per (token, KV
 # head), absmax / qmax, so attention dequantizes on read (the max a code may take).
 KV_QUANT = {"int8": (torch.int8, 127.0), "fp8": (torch.uint8, 448.0)}  # fp8 e4m3 bytes held as uint8
-KV_CACHE_DTYPES = ("auto", *KV_QUANT)
+# 16-bit pools for any compute dtype: half an fp32 pool's bytes, rows rounded to nearest on write
+# and widened exactly on read (llama.cpp's default cache is fp16); vLLM's spellings accepted too
+KV_HALF = {"fp16": torch.float16, "bf16": torch.bfloat16, "float16": torch.float16, "bfloat16": torch.bfloat16}
+KV_CACHE_DTYPES = ("auto", *KV_HALF, *KV_QUANT)
 
 
 class KVCache:
@@ -51,7 +54,8 @@ class KVCache:
 
     `kv_dtype` "int8" / "fp8" (e4m3) store codes with a per-(token, head) fp32 scale
     (`k_scale`, `v_scale` [num_slots, KVH, 1]): `write` quantizes, `read` dequantizes to the
-    compute dtype. "auto" stores `dtype` itself (then `read` is a plain gather).
+    compute dtype. "fp16" / "bf16" store that type (`write` rounds, `read` widens); "auto" stores
+    `dtype` itself (then `read` is a plain gather).
     """
 
     def __init__(
@@ -84,7 +88,7 @@ class KVCache:
         self.dtype = dtype  # what attention computes in (and `read` returns)
         self.kv_dtype = kv_dtype
         self.quantized = kv_dtype in KV_QUANT
-        store, self._qmax = KV_QUANT[kv_dtype] if self.quantized else (dtype, 0.0)
+        store, self._qmax = KV_QUANT[kv_dtype] if self.quantized else (KV_HALF.get(kv_dtype, dtype), 0.0)
         # Each decode step reads its pages from memory: 2 MB pages (advised before the zero fill).
         self.k = [empty_huge(*shape, dtype=store, device=device).zero_() for _ in range(size)]
         self.v = [empty_huge(*v_shape, dtype=store, device=device).zero_() for _ in range(size)]
@@ -105,7 +109,7 @@ class KVCache:
         width = head_dim + (head_dim if v_head_dim is None else v_head_dim)
         if kv_dtype in KV_QUANT:
             return width * KV_QUANT[kv_dtype][0].itemsize + 2 * 4
-        return width * dtype.itemsize
+        return width * (KV_HALF[kv_dtype] if kv_dtype in KV_HALF else dtype).itemsize
 
     @property
     def nbytes(self) -> int:

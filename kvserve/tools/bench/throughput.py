@@ -191,7 +191,7 @@ def main(args) -> int:
     results: list[Result] = []
     engine_args = dict(kv_cache_gib=args.kv_cache_gib, max_num_batched_tokens=args.max_num_batched_tokens,
                        enable_prefix_caching=False, weights=args.weights, pack_weights=args.pack_weights,
-                       compile=args.compile)
+                       compile=args.compile, kv_cache_dtype=args.kv_cache_dtype)
     for n in args.max_num_seqs:
         r = run_kvserve(loaded, wl, max_num_seqs=n, **engine_args)
         r.extra["max_num_seqs"] = n
