@@ -90,6 +90,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="GGUF path (default: the bundled Gemma 3 270M Q4_K_M)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="CPU threads per engine (torch, llama.cpp, vLLM)")
     p.add_argument("--decode-new-tokens", type=int, default=128)
+    p.add_argument("--decode-context", type=int, default=0,
+                   help="decode after a random prompt of this many tokens instead of the short text (0: the text): "
+                        "batch-1 decode at a long context, where the steps read the KV cache too")
     p.add_argument("--prefill-len", type=int, default=512)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
@@ -140,6 +143,9 @@ def build_spec(args: argparse.Namespace) -> dict:
     decode_prompt = tok.encode(DECODE_TEXT)
     del loaded
     vocab, bos = cfg.vocab_size, cfg.bos_token_id
+    if args.decode_context:
+        decode_prompt = make_workload(1, (args.decode_context, args.decode_context), (1, 1), vocab, bos,
+                                      args.seed + 2).prompts[0]
     # repeats + 1 distinct prefill prompts: the first one is the warm-up.
     prefill = make_workload(args.repeats + 1, (args.prefill_len, args.prefill_len), (1, 1), vocab, bos,
                             args.seed + 1).prompts
