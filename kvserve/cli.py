@@ -10,6 +10,10 @@ import time
 from kvserve.argtypes import json_object, positive_int
 
 
+# kvserve.model.attention.KV_CACHE_DTYPES, spelled out so that parsing flags does not import torch
+KV_CACHE_DTYPES = ("auto", "fp16", "bf16", "float16", "bfloat16", "int8", "fp8")
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="GGUF file, HF folder, or a Hugging Face name from the HF cache: ORG/NAME, or ORG/NAME:QUANT "
@@ -27,8 +31,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-gib", type=float, default=None,
                    help="KV pool size in GiB (default: --max-model-len tokens in every layer, at most half the "
                         "memory available once the weights are loaded)")
-    p.add_argument("--kv-cache-dtype", default="auto",
-                   choices=["auto", "fp16", "bf16", "float16", "bfloat16", "int8", "fp8"],
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="KV storage: the model's dtype; fp16 / bf16 (half an fp32 pool, computed in fp32); or "
                         "int8 / fp8 (e4m3) with per-token, per-head scales")
     p.add_argument("--max-model-len", type=int, default=None, help="context window cap")
@@ -283,8 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--max-num-seqs", type=_int_list, default=[64], help="comma list: a sweep")
     tp.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
     tp.add_argument("--kv-cache-gib", type=float, default=None)
-    tp.add_argument("--kv-cache-dtype", default="auto",
-                    choices=["auto", "fp16", "bf16", "float16", "bfloat16", "int8", "fp8"])
+    tp.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     tp.add_argument("--hf-batch-sizes", type=_int_list, default=[], help="comma list; empty = skip HF")
     tp.add_argument("--plot", default=None, help="PNG of throughput vs --max-num-seqs")
     tp.add_argument("--json", default=None)

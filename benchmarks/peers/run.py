@@ -143,6 +143,8 @@ def build_spec(args: argparse.Namespace) -> dict:
     decode_prompt = tok.encode(DECODE_TEXT)
     del loaded
     vocab, bos = cfg.vocab_size, cfg.bos_token_id
+    if args.decode_context < 0:
+        raise SystemExit(f"--decode-context must be >= 0, got {args.decode_context}")
     if args.decode_context:
         decode_prompt = make_workload(1, (args.decode_context, args.decode_context), (1, 1), vocab, bos,
                                       args.seed + 2).prompts[0]

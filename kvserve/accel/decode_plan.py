@@ -154,8 +154,8 @@ class DecodePlan:
             raise _Unsupported("not all Gemma 3 or all Llama layers")
         if cfg.moe is not None:
             raise _Unsupported("mixture-of-experts layers")
-        if (kv_cache.quantized or kv_cache.dtype != torch.float32 or cfg.kv_source is not None
-                or kernels.kv_type_code(kv_cache.k[0].dtype) is None):
+        kv_type = kernels.kv_type_code(kv_cache.k[0].dtype) if kv_cache.k else None
+        if kv_cache.quantized or kv_cache.dtype != torch.float32 or cfg.kv_source is not None or kv_type is None:
             raise _Unsupported("quantized, non-fp32 or shared KV")
         acts = {"gelu_tanh_mul" if layer.mlp.gelu_tanh else "silu_mul" if layer.mlp.silu else None
                 for layer in model.layers}
@@ -206,7 +206,7 @@ class DecodePlan:
         self._ctxs = (_Ctx * len(self._ctx_keys))()
         self._step = _Step(**addresses, H=cfg.num_heads, KVH=cfg.num_kv_heads, D=cfg.head_dim,
                            hidden=cfg.hidden_size, inter=cfg.intermediate_size, block_size=0, threads=1,
-                           kv_type=kernels.kv_type_code(kv_cache.k[0].dtype),
+                           kv_type=kv_type,
                            eps=norm_eps.pop(), qk_eps=first.q_norm.eps if first.q_norm is not None else 0.0,
                            scale=first.scale)
         # What current() compares, laid out once: it runs every step over ~400 tensors, and the

@@ -15,8 +15,8 @@
  *   tables   [B, max_blocks]      int32
  *   starts   [B], lens [B]        int32: sequence b attends positions [starts[b], lens[b])
  *   out      [B, H, D]            same dtype as q
- * Arithmetic is fp32 throughout (bf16 products are exact in fp32); 16-bit K/V rows are widened
- * once into L1 and scored there for all G heads.
+ * Arithmetic is fp32 throughout (bf16 products are exact in fp32); 16-bit K/V rows are widened in
+ * registers (AVX-512 score tiles) or once into L1, then used for all G heads.
  */
 #include <math.h>
 #include <stdint.h>
@@ -244,11 +244,14 @@ static inline __attribute__((always_inline)) void score_range_t(const Args *a, c
     }
 }
 
-static void score_range(const Args *a, const int32_t *table, int kvh, int p0, int p1, const float *qh,
-                        float *scores) {
+/* Pass 1 through the score tiles (D a multiple of 16) -> 1, or 0 where they do not apply. */
+static int score_range(const Args *a, const int32_t *table, int kvh, int p0, int p1, const float *qh,
+                       float *scores) {
+    if (a->D % 16) return 0;
     if (a->kv == KV_F16) score_range_t(a, table, kvh, p0, p1, qh, scores, KV_F16);
     else if (a->kv == KV_BF16) score_range_t(a, table, kvh, p0, p1, qh, scores, KV_BF16);
     else score_range_t(a, table, kvh, p0, p1, qh, scores, KV_F32);
+    return 1;
 }
 
 /* Pass 2 in blocks of PV_ROWS positions: the block's V rows (16-bit ones widened into `buf`
@@ -269,6 +272,12 @@ static void weigh_range(const Args *a, const int32_t *table, int kvh, int p0, in
         for (; g < G; g++) weigh_rows(rows, m, w + (int64_t)g * n, n, acc + (int64_t)g * D, D, 1);
     }
 }
+#else
+static int score_range(const Args *a, const int32_t *table, int kvh, int p0, int p1, const float *qh,
+                       float *scores) {
+    (void)a, (void)table, (void)kvh, (void)p0, (void)p1, (void)qh, (void)scores;
+    return 0;
+}
 #endif
 
 /* Positions [p0, p1) of sequence b against KV head kvh: fills `part`. scores: [G, p1 - p0]. */
@@ -286,9 +295,7 @@ static void attend_range(const Args *a, int b, int kvh, int p0, int p1, float *s
 #endif
     /* pass 1: scores and the max per head */
     for (int g = 0; g < G; g++) part.m[g] = -INFINITY;
-#if defined(__AVX512F__)
-    if (!use_dp && D % 16 == 0) {
-        score_range(a, table, kvh, p0, p1, qh, scores);
+    if (!use_dp && score_range(a, table, kvh, p0, p1, qh, scores)) {
         for (int g = 0; g < G; g++) {
             float *sg = scores + (int64_t)g * n, mx = -INFINITY;
             for (int i = 0; i < n; i++) {
@@ -297,27 +304,23 @@ static void attend_range(const Args *a, int b, int kvh, int p0, int p1, float *s
             }
             part.m[g] = mx;
         }
-        goto softmax;
-    }
-#endif
-    for (int p = p0; p < p1; p++) {
-        const int64_t off = slot_offset(a, table, p, kvh);
-        if (PREFETCH_ROWS && p + PREFETCH_ROWS < p1) prefetch_row(a, a->k, table, p + PREFETCH_ROWS, kvh);
-        const float *kr = use_dp ? NULL : kv_load_row(a->k, off, a->kv, D, row);
-        if (!use_dp) dots(qh, kr, G, D, sc);
-        for (int g = 0; g < G; g++) {
-            float s = sc[g];
+    } else {
+        for (int p = p0; p < p1; p++) {
+            const int64_t off = slot_offset(a, table, p, kvh);
+            if (PREFETCH_ROWS && p + PREFETCH_ROWS < p1) prefetch_row(a, a->k, table, p + PREFETCH_ROWS, kvh);
+            const float *kr = use_dp ? NULL : kv_load_row(a->k, off, a->kv, D, row);
+            if (!use_dp) dots(qh, kr, G, D, sc);
+            for (int g = 0; g < G; g++) {
+                float s = sc[g];
 #ifdef HAVE_DPBF16
-            if (use_dp) s = dot_bf16((const uint16_t *)a->q + q0 + (int64_t)g * D, (const uint16_t *)a->k + off, D);
+                if (use_dp) s = dot_bf16((const uint16_t *)a->q + q0 + (int64_t)g * D, (const uint16_t *)a->k + off, D);
 #endif
-            s *= a->scale;
-            scores[(int64_t)g * n + (p - p0)] = s;
-            if (s > part.m[g]) part.m[g] = s;
+                s *= a->scale;
+                scores[(int64_t)g * n + (p - p0)] = s;
+                if (s > part.m[g]) part.m[g] = s;
+            }
         }
     }
-#if defined(__AVX512F__)
-softmax:
-#endif
     /* exp and sum per head */
     for (int g = 0; g < G; g++) part.l[g] = exp_sum(scores + (int64_t)g * n, n, part.m[g]);
     /* pass 2: the weighted sum of V rows */
