@@ -2,7 +2,8 @@
 beside llama.cpp (llama-cpp-python from the peers' venv), each in a fresh process under
 `/usr/bin/time -v`: import, load, build (start_s), then 16 greedy tokens (tokens_16_s). Both hold
 2,048 tokens of KV cache (kvserve's pool sized to exactly that, llama.cpp `n_ctx=2048`); kvserve
-runs twice, with an fp32 pool and with an fp16 one (llama.cpp's default cache type: the same bytes).
+runs twice, with its default fp16 pool (llama.cpp's default cache type: the same bytes) and with an
+fp32 one.
 
     .venv/bin/python benchmarks/gguf_memory.py --model FILE [--model FILE2 ...] [--cold] --out results.json
 
@@ -26,12 +27,16 @@ TOKENS = 2048
 KVSERVE = """
 import json, sys, time
 t0 = time.perf_counter()
+import torch
 from kvserve import LLM, SamplingParams
 from kvserve.loading import load_model
 loaded = load_model(sys.argv[1], gguf_blocks=True)
 cfg = loaded.config
+from kvserve.config import EngineConfig
+from kvserve.model.attention import kv_storage_dtype
 kv_dtype = sys.argv[2]
-kv_bytes = {tokens} * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * (2 if kv_dtype == "fp16" else 4)
+width = kv_storage_dtype(EngineConfig(weights="gguf", kv_cache_dtype=kv_dtype).kv_cache_dtype, torch.float32).itemsize
+kv_bytes = {tokens} * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * width
 llm = LLM(loaded=loaded, weights="gguf", kv_cache_gib=kv_bytes / 2**30, max_model_len={tokens}, max_num_seqs=1,
           kv_cache_dtype=kv_dtype)
 t1 = time.perf_counter()
@@ -82,8 +87,8 @@ def main() -> None:
     args = p.parse_args()
     if not LLAMACPP_PYTHON.exists():
         raise SystemExit(f"{LLAMACPP_PYTHON} not found: run benchmarks/peers/setup_peers.sh llamacpp first")
-    engines = {"kvserve": (Path(sys.executable), KVSERVE, "auto"),
-               "kvserve-fp16-kv": (Path(sys.executable), KVSERVE, "fp16"),
+    engines = {"kvserve": (Path(sys.executable), KVSERVE, "auto"),  # an fp16 pool, the default with gguf blocks
+               "kvserve-fp32-kv": (Path(sys.executable), KVSERVE, "fp32"),
                "llamacpp": (LLAMACPP_PYTHON, LLAMACPP)}
     results = {}
     for model in args.model:

@@ -11,7 +11,7 @@ from kvserve.argtypes import json_object, positive_int
 
 
 # kvserve.model.attention.KV_CACHE_DTYPES, spelled out so that parsing flags does not import torch
-KV_CACHE_DTYPES = ("auto", "fp16", "bf16", "float16", "bfloat16", "int8", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp16", "bf16", "float16", "bfloat16", "fp32", "float32", "int8", "fp8")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -32,8 +32,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV pool size in GiB (default: --max-model-len tokens in every layer, at most half the "
                         "memory available once the weights are loaded)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="KV storage: the model's dtype; fp16 / bf16 (half an fp32 pool, computed in fp32); or "
-                        "int8 / fp8 (e4m3) with per-token, per-head scales")
+                   help="KV storage. auto: the model's dtype, but fp16 with --weights gguf (llama.cpp's cache "
+                        "type); fp16 / bf16 (half an fp32 pool, computed in fp32) or fp32; int8 / fp8 (e4m3) with "
+                        "per-token, per-head scales")
     p.add_argument("--max-model-len", type=int, default=None, help="context window cap")
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV cache page (%(default)s)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,

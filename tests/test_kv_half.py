@@ -15,9 +15,13 @@ from kvserve.model.attention import KV_CACHE_DTYPES, KVCache
 HALF = [torch.float16, torch.bfloat16]
 
 
-def _kernel_or_skip(got):
+def _kernel(got, lib: str):
+    """The kernel's output; a skip only where its library cannot be built (no compiler), a failure
+    where the library is there but declined the 16-bit pools."""
     if got is None:
-        pytest.skip("C kernel unavailable")
+        if kernels.kernel_lib(lib) is None:
+            pytest.skip(f"C kernel {lib} unavailable")
+        pytest.fail(f"C kernel {lib} declined these 16-bit pools")
     return got
 
 
@@ -31,8 +35,8 @@ def test_prologue_writes_rows_rounded_as_torch_rounds_them(dtype):
     slots = torch.tensor([7, 2, 9, 0, 4])
     pools32 = [torch.zeros(12, KVH, D) for _ in range(2)]
     pools16 = [torch.zeros(12, KVH, D, dtype=dtype) for _ in range(2)]
-    q32 = _kernel_or_skip(kernels.norm_rope_write(q, k, v, None, None, 1e-6, cos, sin, slots, *pools32))
-    q16 = _kernel_or_skip(kernels.norm_rope_write(q, k, v, None, None, 1e-6, cos, sin, slots, *pools16))
+    q32 = _kernel(kernels.norm_rope_write(q, k, v, None, None, 1e-6, cos, sin, slots, *pools32), "rope_cache")
+    q16 = _kernel(kernels.norm_rope_write(q, k, v, None, None, 1e-6, cos, sin, slots, *pools16), "rope_cache")
     assert torch.equal(q16, q32)
     for p16, p32 in zip(pools16, pools32):
         assert torch.equal(p16.float().nan_to_num(7.0), p32.to(dtype).float().nan_to_num(7.0))
@@ -49,8 +53,8 @@ def test_decode_kernel_reads_half_pools(dtype, heads, kv_heads, head_dim):
     lens_t = torch.tensor(lens, dtype=torch.int32)
     starts = (lens_t - 40).clamp(min=0)
     q = torch.randn(len(lens), heads, head_dim)
-    out = _kernel_or_skip(kernels.paged_decode_attention(q, k, v, tables, starts, lens_t, BS,
-                                                         1 / math.sqrt(head_dim), max(lens)))
+    out = _kernel(kernels.paged_decode_attention(q, k, v, tables, starts, lens_t, BS,
+                                                 1 / math.sqrt(head_dim), max(lens)), "paged_attention")
     assert out.dtype == torch.float32
     want = _reference(q, k.float(), v.float(), tables, starts, lens_t)
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
@@ -67,7 +71,8 @@ def test_prefill_kernel_reads_half_pools(dtype, window):
 
     q, k_pool, v_pool, slots, first_kv, first_q, window, scale = _case(64, 8, 2, 64, 300, window)
     k_pool, v_pool = k_pool.to(dtype), v_pool.to(dtype)
-    got = _kernel_or_skip(kernels.prefill_attention(q, k_pool, v_pool, slots, first_kv, first_q, window, scale))
+    got = _kernel(kernels.prefill_attention(q, k_pool, v_pool, slots, first_kv, first_q, window, scale),
+                  "prefill_attention")
     want = reference(q, k_pool.float(), v_pool.float(), slots, first_kv, first_q, window, scale)
     torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=0)
 
@@ -83,6 +88,35 @@ def test_half_pool_holds_half_the_bytes():
     pool.write(0, slots, x, x)
     k, _ = pool.read(0, slots)
     assert k.dtype == torch.float32 and torch.equal(k, x.bfloat16().float())
+
+
+def test_fp32_pool_for_a_16_bit_model():
+    """"fp32" stores what a bf16 model's "auto" pool would round: rows kept exact, read back in bf16."""
+    pool = KVCache(2, 32, 2, 64, torch.bfloat16, kv_dtype="fp32")
+    assert pool.k[0].dtype == torch.float32
+    assert KVCache.bytes_per_token_head(64, torch.bfloat16, "fp32") == 2 * KVCache.bytes_per_token_head(64, torch.bfloat16)
+    x = torch.randn(2, 2, 64)
+    pool.write(1, torch.tensor([0, 31]), x, x)
+    k, v = pool.read(1, torch.tensor([0, 31]))
+    assert k.dtype == torch.bfloat16 and torch.equal(pool.k[1][[0, 31]], x) and torch.equal(v, x.bfloat16())
+
+
+def test_gguf_weights_default_to_llama_cpps_fp16_pool(gemma_path):
+    """"auto" with a GGUF's own blocks and int8 activations (llama.cpp's arithmetic) is fp16, as
+    llama.cpp's cache; the float activations (the exact reference) and float weights keep the
+    model's dtype; an explicit type always wins."""
+    from kvserve import LLM
+    from kvserve.config import EngineConfig
+
+    assert EngineConfig(weights="gguf").kv_cache_dtype == "fp16"
+    assert EngineConfig(weights="gguf").cache_config.kv_cache_dtype == "fp16"
+    assert EngineConfig(weights="gguf", gguf_activations="float").kv_cache_dtype == "auto"
+    assert EngineConfig().kv_cache_dtype == "auto"
+    for explicit in ("fp32", "bf16", "int8"):
+        assert EngineConfig(weights="gguf", kv_cache_dtype=explicit).kv_cache_dtype == explicit
+    for kv_dtype, store in (("auto", torch.float16), ("fp32", torch.float32)):
+        engine = LLM(model=str(gemma_path), weights="gguf", kv_cache_gib=0.02, kv_cache_dtype=kv_dtype).engine
+        assert {t.dtype for t in engine.kv_cache.k + engine.kv_cache.v} == {store}
 
 
 def test_cli_offers_every_pool_dtype():

@@ -30,7 +30,6 @@ class KvserveEngine:
         self.loaded = load_model(spec.get("model"), opts.get("dtype", "float32"), gguf_blocks=weights == "gguf")
         self.dtype = weights or str(next(self.loaded.model.parameters()).dtype).removeprefix("torch.")
         self.dtype += ", torch.compile" if opts.get("compile") else ""
-        self.dtype += f", {opts['kv_cache_dtype']} KV" if opts.get("kv_cache_dtype") else ""
         self.max_num_seqs: list[int] = opts.get("max_num_seqs", [64])
         self.engine_args = dict(enable_prefix_caching=False,
                                 max_num_batched_tokens=opts.get("max_num_batched_tokens", 2048),
@@ -41,6 +40,8 @@ class KvserveEngine:
         t = time.perf_counter()
         self.llm = LLM(loaded=self.loaded, max_num_seqs=1,
                        max_model_len=min(cfg.max_position_embeddings, spec["max_model_len"]), **self.engine_args)
+        kv = self.llm.engine.config.kv_cache_dtype  # as resolved: gguf blocks get an fp16 pool by default
+        self.dtype += f", {kv} KV" if kv != "auto" else ""
         self.notes: list[str] = []
         if weights:
             self.notes.append(f"weights={weights}: LLM built in {time.perf_counter() - t:.1f} s (quantization "

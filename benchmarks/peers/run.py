@@ -38,9 +38,9 @@ from _common import LLAMACPP_KV_MODES, RESULT_PREFIX
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 KVSERVE_WEIGHTS = ["int8", "int4", "gguf"]  # kvserve-<w>: EngineConfig.weights int8 / int4 (RTN at start), gguf (the file's blocks)
-# kvserve-compile: fp32 through torch.compile (EngineConfig.compile); kvserve-gguf-f16kv: the file's blocks
-# with an fp16 KV pool (llama.cpp's default cache type).
-KVSERVE_ENGINES = ["kvserve", *(f"kvserve-{w}" for w in KVSERVE_WEIGHTS), "kvserve-gguf-f16kv",
+# kvserve-compile: fp32 through torch.compile (EngineConfig.compile); kvserve-gguf-f32kv: the file's blocks
+# with an fp32 KV pool (kvserve-gguf keeps its default fp16 pool, llama.cpp's default cache type).
+KVSERVE_ENGINES = ["kvserve", *(f"kvserve-{w}" for w in KVSERVE_WEIGHTS), "kvserve-gguf-f32kv",
                    "kvserve-compile"]  # one adapter, a spec section each
 ALL_ENGINES = [*KVSERVE_ENGINES, "hf", "llamacpp", "vllm"]
 # Batch-1 decode tok/s: (engine, peer, minimum engine / peer), the low-bit engines' targets.
@@ -182,9 +182,9 @@ def build_spec(args: argparse.Namespace) -> dict:
 
 def _kvserve_sections(opts: dict) -> dict[str, dict]:
     """The spec sections of kvserve, its low-bit variants (same options plus `weights`, and
-    `kv_cache_dtype` for the fp16 pool) and its torch.compile variant (plus `compile`)."""
+    `kv_cache_dtype` for the fp32 pool) and its torch.compile variant (plus `compile`)."""
     return {"kvserve": opts, **{f"kvserve-{w}": dict(opts, weights=w) for w in KVSERVE_WEIGHTS},
-            "kvserve-gguf-f16kv": dict(opts, weights="gguf", kv_cache_dtype="fp16"),
+            "kvserve-gguf-f32kv": dict(opts, weights="gguf", kv_cache_dtype="fp32"),
             "kvserve-compile": dict(opts, compile=True)}
 
 

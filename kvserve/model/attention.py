@@ -28,10 +28,20 @@ from kvserve.model.state_cache import RecurrentMetadata
 # KV-cache storage formats besides the model's dtype: codes plus one fp32 scale per (token, KV
 # head), absmax / qmax, so attention dequantizes on read (the max a code may take).
 KV_QUANT = {"int8": (torch.int8, 127.0), "fp8": (torch.uint8, 448.0)}  # fp8 e4m3 bytes held as uint8
-# 16-bit pools for any compute dtype: half an fp32 pool's bytes, rows rounded to nearest on write
-# and widened exactly on read (llama.cpp's default cache is fp16); vLLM's spellings accepted too
-KV_HALF = {"fp16": torch.float16, "bf16": torch.bfloat16, "float16": torch.float16, "bfloat16": torch.bfloat16}
-KV_CACHE_DTYPES = ("auto", *KV_HALF, *KV_QUANT)
+# Float pools of a stated width for any compute dtype: rows rounded to nearest on write (as .to()
+# rounds) and widened exactly on read. 16 bits: half an fp32 pool's bytes (llama.cpp's default
+# cache is fp16); fp32: the exact pool where "auto" would pick 16 bits. vLLM's spellings too.
+KV_FLOAT = {"fp16": torch.float16, "bf16": torch.bfloat16, "float16": torch.float16, "bfloat16": torch.bfloat16,
+            "fp32": torch.float32, "float32": torch.float32}
+KV_CACHE_DTYPES = ("auto", *KV_FLOAT, *KV_QUANT)
+
+
+def kv_storage_dtype(kv_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """What a pool of format `kv_dtype` holds for a model computing in `dtype`: codes for the
+    quantized formats, the stated float type, or the compute dtype itself ("auto")."""
+    if kv_dtype in KV_QUANT:
+        return KV_QUANT[kv_dtype][0]
+    return KV_FLOAT.get(kv_dtype, dtype)
 
 
 class KVCache:
@@ -88,7 +98,7 @@ class KVCache:
         self.dtype = dtype  # what attention computes in (and `read` returns)
         self.kv_dtype = kv_dtype
         self.quantized = kv_dtype in KV_QUANT
-        store, self._qmax = KV_QUANT[kv_dtype] if self.quantized else (KV_HALF.get(kv_dtype, dtype), 0.0)
+        store, self._qmax = kv_storage_dtype(kv_dtype, dtype), KV_QUANT[kv_dtype][1] if self.quantized else 0.0
         # Each decode step reads its pages from memory: 2 MB pages (advised before the zero fill).
         self.k = [empty_huge(*shape, dtype=store, device=device).zero_() for _ in range(size)]
         self.v = [empty_huge(*v_shape, dtype=store, device=device).zero_() for _ in range(size)]
@@ -107,9 +117,8 @@ class KVCache:
                              v_head_dim: int | None = None) -> int:
         """Bytes of K plus V for one token of one KV head of one layer (scales included)."""
         width = head_dim + (head_dim if v_head_dim is None else v_head_dim)
-        if kv_dtype in KV_QUANT:
-            return width * KV_QUANT[kv_dtype][0].itemsize + 2 * 4
-        return width * (KV_HALF[kv_dtype] if kv_dtype in KV_HALF else dtype).itemsize
+        scales = 2 * 4 if kv_dtype in KV_QUANT else 0
+        return width * kv_storage_dtype(kv_dtype, dtype).itemsize + scales
 
     @property
     def nbytes(self) -> int:
