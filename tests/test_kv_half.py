@@ -1,7 +1,8 @@
-"""16-bit KV pools for fp32 models (`kv_cache_dtype` "fp16" / "bf16"): the C kernels that write and
-read the pool round and widen as torch's `.to()` does, the attention kernels equal float64
-attention over the pool's own values, and the engine gives the same tokens with the kernels (the
-batch-1 decode plan included) as on the torch path over the same pool."""
+"""Float KV pools of a stated width (`kv_cache_dtype` "fp16" / "bf16" / "fp32"): the C kernels that
+write and read the pool round and widen as torch's `.to()` does, the attention kernels equal
+float64 attention over the pool's own values, the engine gives the same tokens with the kernels
+(the batch-1 decode plan included) as on the torch path over the same pool, and GGUF blocks get an
+fp16 pool by default."""
 from __future__ import annotations
 
 import math

@@ -192,7 +192,7 @@ def _kv_pools_cpu(k_pool: torch.Tensor, v_pool: torch.Tensor) -> int | None:
     """The kv_row.h code of two contiguous CPU pools of one kernel-readable dtype, else None."""
     if not (k_pool.is_cpu and k_pool.dtype == v_pool.dtype and k_pool.is_contiguous() and v_pool.is_contiguous()):
         return None
-    return _KV_TYPES.get(k_pool.dtype)
+    return kv_type_code(k_pool.dtype)
 
 
 def paged_attention_lib() -> ctypes.CDLL | None:

@@ -64,8 +64,8 @@ class KVCache:
 
     `kv_dtype` "int8" / "fp8" (e4m3) store codes with a per-(token, head) fp32 scale
     (`k_scale`, `v_scale` [num_slots, KVH, 1]): `write` quantizes, `read` dequantizes to the
-    compute dtype. "fp16" / "bf16" store that type (`write` rounds, `read` widens); "auto" stores
-    `dtype` itself (then `read` is a plain gather).
+    compute dtype. "fp16" / "bf16" / "fp32" store that type (`write` rounds, `read` converts to the
+    compute dtype); "auto" stores `dtype` itself (then `read` is a plain gather).
     """
 
     def __init__(
