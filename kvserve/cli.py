@@ -26,6 +26,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="float32, bfloat16 or float16; auto: float32 on the CPU, bfloat16 on CUDA")
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run decode steps eagerly instead of through captured CUDA graphs")
+    p.add_argument("--num-scheduler-steps", type=positive_int, default=1,
+                   help="CUDA graphs: decode plain greedy sequences this many tokens per scheduling step, the "
+                        "steps in one captured graph (the host's per-step work paid once per run)")
     p.add_argument("--no-kv-cache", action="store_true",
                    help="recompute the whole sequence every step (the O(T^2) baseline)")
     p.add_argument("--kv-cache-gib", type=float, default=None,
@@ -103,6 +106,7 @@ def decoding_config(args: argparse.Namespace) -> dict:
                 kv_cache_dtype=args.kv_cache_dtype, weights=args.weights, gguf_activations=args.gguf_activations,
                 gguf_mmap=args.gguf_mmap, pack_weights=args.pack_weights,
                 compile=args.compile, enforce_eager=args.enforce_eager,
+                num_scheduler_steps=args.num_scheduler_steps,
                 tensor_parallel_size=args.tensor_parallel_size)
 
 

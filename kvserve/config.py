@@ -65,11 +65,13 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
+    num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:
         _positive_int(self, "max_num_seqs")
         _positive_int(self, "max_num_batched_tokens")
         _positive_int(self, "max_model_len", optional=True)
+        _positive_int(self, "num_scheduler_steps")
         _flag(self, "enable_chunked_prefill")
 
 
@@ -263,6 +265,11 @@ class EngineConfig:
     # CUDA: run decode steps eagerly, never through captured CUDA graphs (vLLM's flag). Graphs
     # are captured at start-up, one per batch-size bucket, for plain decode steps.
     enforce_eager: bool = False
+    # CUDA graphs: K > 1 decodes plain greedy sequences K tokens per scheduling step, K steps in
+    # one captured graph (vLLM's multi-step scheduling), so the host's per-step work is paid once
+    # per K tokens; text streams K tokens at a time. Steps that sample, report logprobs or follow
+    # a grammar, and the last tokens before max_tokens, decode one step at a time.
+    num_scheduler_steps: int = 1
     # The engine's seed (vLLM's --seed): a request without a seed of its own samples from one
     # drawn from this seed's stream in arrival order, so the same requests sent to an engine
     # with the same seed sample the same tokens, whatever ran beside them. None: such requests
@@ -336,6 +343,9 @@ class EngineConfig:
         if self.weights != "float" and self.speculative == "self":
             raise ValueError(f"speculative='self' builds its own draft copy from float weights; it does not "
                              f"combine with weights {self.weights!r} (use self_draft_bits for a low-bit draft)")
+        if self.num_scheduler_steps > 1 and self.speculative is not None:
+            raise ValueError(f"num_scheduler_steps {self.num_scheduler_steps} and speculative "
+                             f"{self.speculative!r} both decode several tokens a step: use one of them")
         if self.speculative is not None and not self.use_kv_cache:
             raise ValueError("speculative decoding needs the KV cache (use_kv_cache=True)")
         if self.streaming_window is not None:

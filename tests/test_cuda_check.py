@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvserve.engine.llm_engine import LLMEngine
 from kvserve.tools.bench import cuda_check as cuda_check_module
 from tests.tiny_models import make_model
 
@@ -84,12 +85,17 @@ def test_cpu_dry_run_of_the_bundled_model_path(cuda_check, tiny_gemma, text, tmp
 
 def test_cpu_dry_run_of_the_synthetic_model_path(cuda_check, tmp_path, monkeypatch):
     monkeypatch.setattr(cuda_check, "LLAMA_1B", TINY_LLAMA)  # the 1B shapes take minutes on two cores
-    rc = cuda_check.main(SMALL_RUN + ["--skip-gemma", "--json-dir", str(tmp_path)])
+    # The graph runner's CPU stand-in, so that the multi-step runs are checked and timed too.
+    monkeypatch.setattr(LLMEngine, "_cuda_graphs_apply", lambda self: self._cuda_graphs_fit())
+    rc = cuda_check.main(SMALL_RUN + ["--skip-gemma", "--num-scheduler-steps", "3", "--json-dir", str(tmp_path)])
     assert rc == 0
     llama = json.loads((tmp_path / "cuda_check_cpu.json").read_text())["models"]["llama_1b"]
     assert not llama["errors"]
+    assert "graphs, 3-step runs, one batch" in llama["greedy"]
     assert all(c["verdict"] == "equal" and c["equal_tokens"] == 6 for rows in llama["greedy"].values() for c in rows)
-    assert llama["speed"]["hf"]["prefill_512_tok_s"] > 0
+    speed = llama["speed"]
+    assert speed["hf"]["prefill_512_tok_s"] > 0
+    assert speed["kvserve_multi_step"]["decode_batch1_tok_s"] > 0 and speed["multi_step_share_of_bound"] > 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message for a machine without CUDA")

@@ -89,6 +89,72 @@ def test_enforce_eager_and_other_steps_skip_the_graphs(gemma, graphs_on_cpu):
     assert _outputs(spec, ["a b a b a b a b"], params) == want
 
 
+@pytest.fixture
+def steps_on_cpu(graphs_on_cpu, monkeypatch):
+    """As graphs_on_cpu, and yields the steps of every multi-step replay."""
+    runs: list[list[int]] = []
+    run_steps = DecodeGraphs.run_steps
+
+    def counted(self, inputs, steps):
+        runs.append(list(steps))
+        return run_steps(self, inputs, steps)
+
+    monkeypatch.setattr(DecodeGraphs, "run_steps", counted)
+    return runs
+
+
+def test_llama_multi_step_runs_equal_the_plain_engine(tmp_path, steps_on_cpu, one_thread):
+    make_model("llama", tmp_path)
+    loaded = load_model(tmp_path)
+    prompts = [[2, 5, 6, 7], [2, 9], [2, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46],
+               [2, 11, 12], [2, 100]]
+    # Lengths that are no multiple of the 4 steps: rows run short and idle in a run, and the
+    # last tokens before max_tokens decode one step at a time; 40 tokens cross several blocks.
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (40, 7, 13, 2, 23)]
+    plain = LLM(loaded=loaded, kv_cache_gib=0.01, max_num_seqs=8)
+    want = _outputs(plain, prompts, params)
+    multi = LLM(loaded=loaded, kv_cache_gib=0.01, max_num_seqs=8, num_scheduler_steps=4)
+    engine = multi.engine
+    assert _outputs(multi, prompts, params) == want
+    assert steps_on_cpu and all(max(s) == 4 and min(s) >= 1 for s in steps_on_cpu)
+    assert any(min(s) < 4 for s in steps_on_cpu)  # a row with fewer steps left idled in a run
+    assert len(steps_on_cpu) < 40 // 4 + 3  # the long request took runs, not single steps
+    assert engine.block_manager.num_free_blocks == engine.num_blocks  # no reserved slot kept
+
+    # A stop inside a run: the tokens after it are dropped, as the plain engine never makes them.
+    stop_at = want[0][0][5]
+    stopping = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop_at])
+    assert _outputs(multi, prompts[:1], stopping) == _outputs(plain, prompts[:1], stopping)
+    assert _outputs(multi, prompts[:1], stopping)[0][0][-1] == stop_at
+    assert engine.block_manager.num_free_blocks == engine.num_blocks
+
+
+def test_gemma_multi_step_with_sampled_neighbours(gemma, steps_on_cpu):
+    """Gemma's six KV layer groups (sliding-window tables); a batch holding a sampled or
+    logprob-reporting request decodes one step at a time, equal to the plain engine."""
+    prompts = ["The capital of France is", "Paged attention", "1, 2, 3, 4,"]
+    plain = LLM(loaded=gemma, kv_cache_gib=0.25, max_num_seqs=6)
+    multi = LLM(loaded=gemma, kv_cache_gib=0.25, max_num_seqs=6, num_scheduler_steps=3)
+    greedy = SamplingParams(temperature=0, max_tokens=11, ignore_eos=True)
+    assert _outputs(multi, prompts, greedy) == _outputs(plain, prompts, greedy)
+    assert steps_on_cpu
+    del steps_on_cpu[:]
+    assert _outputs(multi, prompts, PARAMS) == _outputs(plain, prompts, PARAMS)
+    assert not steps_on_cpu  # the seeded, logprob-reporting request decodes beside them throughout
+    assert multi.engine.block_manager.num_free_blocks == multi.engine.num_blocks
+
+
+def test_num_scheduler_steps_is_checked(gemma):
+    with pytest.raises(ValueError, match="num_scheduler_steps"):
+        LLM(num_scheduler_steps=0)
+    with pytest.raises(ValueError, match="num_scheduler_steps"):
+        LLM(num_scheduler_steps=2.5)
+    with pytest.raises(ValueError, match="num_scheduler_steps 4 and speculative 'ngram'"):
+        LLM(loaded=gemma, num_scheduler_steps=4, speculative="ngram")
+    with pytest.raises(ValueError, match="num_scheduler_steps 4: multi-step decoding runs its steps in captured CUDA"):
+        LLM(loaded=gemma, kv_cache_gib=0.25, num_scheduler_steps=4)  # the CPU: no graphs
+
+
 def test_enforce_eager_must_be_a_bool():
     with pytest.raises(ValueError, match="enforce_eager"):
         LLM(enforce_eager="yes")

@@ -39,7 +39,7 @@ class Engine:
         self.sched, self.bm = sched, sched.bm
         self.rng = random.Random(seed)
         self.slots: dict[int, int | None] = {}
-        # Speculative decoding (sched.num_speculative_tokens > 0): random drafts, a random number
+        # Speculative decoding (sched.num_lookahead_slots > 0): random drafts, a random number
         # accepted. With draft_cache, a draft model's own KV pool shares the block tables and
         # may lag the target's (`num_draft_computed`); `draft_slots` stands in for it.
         self.draft_cache = draft_cache
@@ -58,7 +58,7 @@ class Engine:
         s, bm = self.sched, self.bm
         for q in s.running:  # what the engine allows each sequence to draft
             limit = (q.params.max_tokens or 10**9) - len(q.output_token_ids) - 1
-            q.max_spec_tokens = max(0, min(self.rng.randrange(s.num_speculative_tokens + 1), limit))
+            q.max_spec_tokens = max(0, min(self.rng.randrange(s.num_lookahead_slots + 1), limit))
         old_running = list(s.running)
         decodes = {q.seq_id for q in s.running if q.num_uncomputed_tokens == 1}
         # schedule() only adds in-flight blocks (allocations) or drops them with a preemption,
@@ -650,7 +650,7 @@ def run_random_workload(ops, prompt_of, num_blocks: int, block_size: int, max_nu
                         windows=(None,), sinks: int = 0) -> Engine:
     bm = BlockManager(num_blocks, block_size, group_windows=windows, sink_tokens=sinks)
     sched = Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                      max_model_len=24, enable_chunked_prefill=chunked, num_speculative_tokens=spec_k)
+                      max_model_len=24, enable_chunked_prefill=chunked, num_lookahead_slots=spec_k)
     eng = Engine(sched, seed, draft_cache)
     added: list[Sequence] = []
     for op, r in ops:

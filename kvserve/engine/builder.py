@@ -328,10 +328,12 @@ def log_memory(model: torch.nn.Module, cache: KVCache, states: StateCache | None
 
 
 def scheduler(cfg: SchedulerConfig, spec: SpeculativeConfig, bm: BlockManager, max_len: int) -> Scheduler:
-    """Draft slots are reserved only when a drafter will fill them."""
+    """Slots past a decode's token are reserved only when a drafter will fill them, or for the
+    further steps of multi-step decoding."""
+    lookahead = spec.num_speculative_tokens if spec.enabled else cfg.num_scheduler_steps - 1
     return Scheduler(bm, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                      max_model_len=max_len, enable_chunked_prefill=cfg.enable_chunked_prefill,
-                     num_speculative_tokens=spec.num_speculative_tokens if spec.enabled else 0)
+                     num_lookahead_slots=lookahead)
 
 
 def cuda_graphs_fit(cfg: EngineConfig, mc: ModelConfig, policies: list[StreamPolicy] | None) -> bool:
@@ -347,7 +349,10 @@ def capture_cuda_graphs(model: torch.nn.Module, cache: KVCache, cfg: EngineConfi
                         pad_block: int) -> DecodeGraphs:
     """Decode steps of each batch bucket captured once; padding rows write into page `pad_block`."""
     t = time.perf_counter()
-    graphs = DecodeGraphs(model, cache, cfg.block_size, max_len, cfg.max_num_seqs, pad_block=pad_block)
+    graphs = DecodeGraphs(model, cache, cfg.block_size, max_len, cfg.max_num_seqs, pad_block=pad_block,
+                          num_steps=cfg.num_scheduler_steps)
     graphs.capture()
-    log.info("CUDA graphs: decode steps of %s sequences captured in %.1f s", graphs.buckets, time.perf_counter() - t)
+    steps = f" (and runs of {graphs.num_steps} steps)" if graphs.num_steps > 1 else ""
+    log.info("CUDA graphs: decode steps%s of %s sequences captured in %.1f s", steps, graphs.buckets,
+             time.perf_counter() - t)
     return graphs

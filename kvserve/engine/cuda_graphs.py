@@ -12,6 +12,15 @@ pool) and attends to that page alone. Attention's kernel reads the lengths from 
 a fixed grid (kernels/triton_attention.py), so one graph serves every context length.
 
 The graph ends with the logits and their argmax: a greedy step copies back only the tokens.
+
+Multi-step decoding (`num_scheduler_steps` K > 1, vLLM's multi-step scheduling): a second graph
+per bucket runs K greedy steps back to back, each step's argmax the next step's token, its
+positions, slots and lengths derived on the device from the first step's (every slot of the K
+positions was reserved by the scheduler). The host schedules, fills the buffers, syncs and
+detokenizes once per K tokens instead of once per token, so its time leaves batch-1 decode's
+critical path. A row reserved fewer steps (`steps`, near max_tokens) goes idle after them: it
+writes into the padding page and its tokens are dropped.
+
 On another device nothing is captured and `run` calls the same step on the same static
 tensors eagerly: the tests hold that path to the engine's plain one on the CPU.
 """
@@ -39,13 +48,16 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 @dataclass
 class _Graph:
     size: int  # B, the bucket
+    steps: int  # decode steps per replay: 1, or K for a multi-step graph
     graph: torch.cuda.CUDAGraph | None  # None off CUDA: the step runs eagerly
-    longs: torch.Tensor  # [2 + G, B] int64 on the device: token ids, positions, slots per group
+    # [3 + G, B] int64 on the device: token ids, positions, slots per group, then the steps
+    # each row takes (multi-step graphs: 1..K, padding rows 1)
+    longs: torch.Tensor
     ints: torch.Tensor  # [B + G * B * W] int32 on the device: lengths, then block tables [G, B, W]
     host_longs: torch.Tensor  # pinned mirrors of the two
     host_ints: torch.Tensor
-    logits: torch.Tensor  # [B, vocab] outputs of the last replay
-    tokens: torch.Tensor  # [B] int64
+    logits: torch.Tensor | None  # [B, vocab] outputs of the last replay (single-step graphs)
+    tokens: torch.Tensor | None  # [B] int64, or [K, B] for a multi-step graph
     copied: torch.cuda.Event | None  # recorded after the copies out of the pinned buffers
 
 
@@ -53,7 +65,7 @@ class DecodeGraphs:
     """Captured decode steps of `model` over `kv_cache`, for batches of up to max_num_seqs."""
 
     def __init__(self, model: CausalLM, kv_cache: KVCache, block_size: int, max_model_len: int,
-                 max_num_seqs: int, pad_block: int):
+                 max_num_seqs: int, pad_block: int, num_steps: int = 1):
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
@@ -63,14 +75,18 @@ class DecodeGraphs:
         self.device = next(model.parameters()).device
         self.cuda = self.device.type == "cuda"
         self.buckets = batch_buckets(max_num_seqs)
+        self.num_steps = num_steps  # K: steps of a multi-step graph (1: none captured)
         self.graphs: dict[int, _Graph] = {}
+        self.multi: dict[int, _Graph] = {}  # the K-step graphs, per bucket
         self.pool = None
 
     def capture(self) -> None:
         """Capture every bucket, largest first (the smaller ones reuse its memory pool)."""
         self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
         for b in reversed(self.buckets):
-            self.graphs[b] = self._capture(b)
+            self.graphs[b] = self._capture(b, 1)
+            if self.num_steps > 1:
+                self.multi[b] = self._capture(b, self.num_steps)
         if self.cuda:
             torch.cuda.synchronize()
 
@@ -83,18 +99,43 @@ class DecodeGraphs:
         """Replay the step's bucket: (argmax tokens [n], logits [n, vocab]), views of the graph's
         outputs, valid until the next replay."""
         n = len(inputs)
-        g = self.graphs[next(b for b in self.buckets if b >= n)]
+        g = self.graphs[self._bucket(n)]
         self._fill(g, inputs)
         if g.graph is None:
             g.logits, g.tokens = self._step(g.longs, g.ints, g.size)
-            return g.tokens[:n], g.logits[:n]
+        else:
+            self._replay(g)
+        return g.tokens[:n], g.logits[:n]
+
+    def run_steps(self, inputs: Seq, steps: Seq[int]) -> torch.Tensor:
+        """K greedy decode steps of plain decode inputs in one replay, row i taking steps[i]
+        (1..K, the longest K) of them, its slots for positions start_pos.. start_pos + steps[i] - 1
+        already in its tables -> the argmax tokens [K, n], a view valid until the next replay
+        (row i's first steps[i] are its tokens)."""
+        n = len(inputs)
+        if max(steps) != self.num_steps or min(steps) < 1:
+            raise ValueError(f"a multi-step replay takes 1..{self.num_steps} steps a row, the longest "
+                             f"{self.num_steps}; got {list(steps)}")
+        g = self.multi[self._bucket(n)]
+        self._fill(g, inputs)
+        g.host_longs.numpy()[-1, :n] = steps
+        if g.graph is None:
+            g.tokens = self._steps(g.longs, g.ints, g.size, g.steps)
+        else:
+            self._replay(g)
+        return g.tokens[:, :n]
+
+    # ------------------------------------------------------------------ internals
+    def _bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    @staticmethod
+    def _replay(g: _Graph) -> None:
         g.longs.copy_(g.host_longs, non_blocking=True)
         g.ints.copy_(g.host_ints, non_blocking=True)
         g.copied.record()
         g.graph.replay()
-        return g.tokens[:n], g.logits[:n]
 
-    # ------------------------------------------------------------------ internals
     def _fill(self, g: _Graph, inputs: Seq) -> None:
         """Write the step into the pinned buffers. Table columns past a sequence's blocks keep
         stale values: attention never reads past its length."""
@@ -114,45 +155,79 @@ class DecodeGraphs:
                 tables[grp, i, :used] = table[:used]
                 longs[2 + grp, i] = table[blk] * bs + off
         n = len(inputs)
+        longs[-1, :] = 1  # one step a row (run_steps overwrites the real rows')
         if n < B:  # padding rows: their own page, a context of one position
             longs[0, n:] = 0
             longs[1, n:] = 0
-            longs[2:, n:] = self.pad_block * bs
+            longs[2:2 + G, n:] = self.pad_block * bs
             ints[n:B] = 1
             tables[:, n:, 0] = self.pad_block
 
-    def _metadata(self, longs: torch.Tensor, ints: torch.Tensor, B: int) -> AttentionMetadata:
-        """Attention metadata over the static tensors (new objects: DecodeBatch caches tensors
-        derived from the lengths, which must be computed inside the graph)."""
-        G, W = self.groups, self.width
-        lens = ints[:B]
-        tables = ints[B:].view(G, B, W)
+    def _metadata(self, slots: Seq[torch.Tensor], lens: torch.Tensor, tables: torch.Tensor,
+                  B: int) -> AttentionMetadata:
+        """Attention metadata over static tensors: slots [B] per group, lens [B] int32, tables
+        [G, B, W] (new objects: DecodeBatch caches tensors derived from the lengths, which must be
+        computed inside the graph)."""
         rows = torch.arange(B, device=self.device)
-        metas = [AttentionMetadata(slot_mapping=longs[2 + grp], seqs=[],
+        metas = [AttentionMetadata(slot_mapping=slots[grp], seqs=[],
                                    decode=DecodeBatch(rows=rows, block_tables=tables[grp], lens=lens,
                                                       block_size=self.block_size, max_len=None))
-                 for grp in range(G)]
-        if G == 1:
+                 for grp in range(self.groups)]
+        if self.groups == 1:
             return metas[0]
         first = metas[0]
         return AttentionMetadata(slot_mapping=first.slot_mapping, seqs=[], decode=first.decode, groups=metas)
 
+    def _tables(self, ints: torch.Tensor, B: int) -> torch.Tensor:
+        return ints[B:].view(self.groups, B, self.width)
+
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.model(tokens, positions, self.kv_cache, meta)
+        return self.model.compute_logits(hidden, upcast=False)
+
     def _step(self, longs: torch.Tensor, ints: torch.Tensor, B: int) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = self.model(longs[0], longs[1], self.kv_cache, self._metadata(longs, ints, B))
-        logits = self.model.compute_logits(hidden, upcast=False)
+        slots = [longs[2 + grp] for grp in range(self.groups)]
+        logits = self._forward(longs[0], longs[1], self._metadata(slots, ints[:B], self._tables(ints, B), B))
         return logits, logits.argmax(dim=-1)
 
-    def _capture(self, B: int) -> _Graph:
+    def _steps(self, longs: torch.Tensor, ints: torch.Tensor, B: int, K: int) -> torch.Tensor:
+        """K greedy steps from the first step's inputs -> tokens [K, B]. Step i feeds position
+        start + min(i, last) (last = the row's steps - 1); a row past its last step writes its K/V
+        into the padding page's first slot and reads its context as of its last step."""
+        bs, tables = self.block_size, self._tables(ints, B)
+        start, last = longs[1], longs[-1] - 1
+        pad_slot = torch.full_like(start, self.pad_block * bs)
+        token, out = longs[0], []
+        for i in range(K):
+            pos = start + last.clamp(max=i)
+            blk = (pos // bs).unsqueeze(0).expand(self.groups, B).unsqueeze(-1)
+            pages = tables.gather(2, blk).squeeze(-1).long()  # [G, B]
+            active = last >= i
+            slots = [torch.where(active, pages[grp] * bs + pos % bs, pad_slot) for grp in range(self.groups)]
+            logits = self._forward(token, pos, self._metadata(slots, (pos + 1).to(torch.int32), tables, B))
+            token = logits.argmax(dim=-1)
+            out.append(token)
+        return torch.stack(out)
+
+    def _run(self, g: _Graph) -> None:
+        """The graph's work on its static tensors, setting its outputs."""
+        if g.steps == 1:
+            g.logits, g.tokens = self._step(g.longs, g.ints, g.size)
+        else:
+            g.tokens = self._steps(g.longs, g.ints, g.size, g.steps)
+
+    def _capture(self, B: int, K: int) -> _Graph:
         G, W = self.groups, self.width
-        host_longs = torch.zeros(2 + G, B, dtype=torch.int64)
+        host_longs = torch.zeros(3 + G, B, dtype=torch.int64)
         host_ints = torch.zeros(B + G * B * W, dtype=torch.int32)
         if not self.cuda:  # the eager stand-in: the static tensors are the host buffers
-            graph = _Graph(B, None, host_longs, host_ints, host_longs, host_ints, None, None, None)
+            graph = _Graph(B, K, None, host_longs, host_ints, host_longs, host_ints, None, None, None)
             self._fill(graph, [])
             return graph
         host_longs, host_ints = host_longs.pin_memory(), host_ints.pin_memory()
         longs, ints = host_longs.to(self.device), host_ints.to(self.device)
-        graph = _Graph(B, torch.cuda.CUDAGraph(), longs, ints, host_longs, host_ints, None, None, torch.cuda.Event())
+        graph = _Graph(B, K, torch.cuda.CUDAGraph(), longs, ints, host_longs, host_ints, None, None,
+                       torch.cuda.Event())
         self._fill(graph, [])  # every row padding
         longs.copy_(host_longs)
         ints.copy_(host_ints)
@@ -160,8 +235,8 @@ class DecodeGraphs:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS picks its kernels
-                self._step(longs, ints, B)
+                self._run(graph)
             torch.cuda.current_stream().wait_stream(side)
             with torch.cuda.graph(graph.graph, pool=self.pool):
-                graph.logits, graph.tokens = self._step(longs, ints, B)
+                self._run(graph)
         return graph

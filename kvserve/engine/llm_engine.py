@@ -20,7 +20,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine import builder, input_processor, step_batch
 from kvserve.engine.grammars import GrammarCompiles
 from kvserve.engine.metrics import RequestMetrics
-from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.model_runner import ModelRunner, StepInput
 from kvserve.engine.parallel import setup as parallel_setup
 from kvserve.engine.output_processor import OutputProcessor, RequestState
 from kvserve.engine.outputs import RequestOutput, error_reference
@@ -60,6 +60,10 @@ class LLMEngine:
         self.max_model_len = builder.max_model_len(cfg.scheduler_config, mc, self.stream_policies)
         self.layer_groups = builder.layer_groups(cfg, mc, self.stream_policies)
         graphs = self._cuda_graphs_apply()
+        if cfg.num_scheduler_steps > 1 and not graphs:
+            raise ValueError(f"num_scheduler_steps {cfg.num_scheduler_steps}: multi-step decoding runs its steps in "
+                             "captured CUDA graphs (device 'cuda', float weights, an 'auto' KV pool, no "
+                             "enforce_eager / compile / StreamingLLM); use num_scheduler_steps=1 here")
         kv_dtype = next(self.loaded.model.parameters()).dtype
         # A hybrid model's recurrent states, allocated first so the automatic KV budget sees them.
         self.state_cache = builder.state_pool(cfg.scheduler_config, cfg.device, mc, kv_dtype)
@@ -310,6 +314,8 @@ class LLMEngine:
         self.runner.copy_blocks(sched.block_copies, self.config.block_size)
         self.runner.copy_states(sched.state_copies)
         self.spec_decoder.copy_blocks(sched.block_copies)
+        if self.config.num_scheduler_steps > 1 and self._execute_steps(sched, touched):
+            return
         drafts = self.spec_decoder.propose(sched)
         batch = step_batch.build_batch(sched, drafts, self.clock())
         self.num_prompt_tokens_computed += batch.num_prompt_tokens
@@ -348,6 +354,41 @@ class LLMEngine:
                 step_batch.sample_isolating(self.sampler, logits, group_rows, seqs,
                                             functools.partial(self._append_sampled, touched=touched),
                                             functools.partial(self._fail_request, touched=touched))
+
+    def _execute_steps(self, sched: SchedulerOutput, touched: set[str]) -> bool:
+        """Multi-step decoding: a step of plain greedy decodes, the longest with all K slots
+        reserved, runs K steps in one replay (`ModelRunner.execute_steps`); False where it does
+        not apply, after giving back the reserved slots (the step then decodes one token a
+        sequence; the scheduler's update returns the blocks that held only them)."""
+        items = sched.scheduled
+        steps = [1 + it.num_spec for it in items]
+        inputs = [StepInput(it.seq.token_slice(it.start, it.start + 1), it.start, it.seq.block_table,
+                            group_tables=it.seq.group_block_tables) for it in items]
+        # Decodes past their first token (a prompt's last chunk samples the first token and may fork)
+        plain = all(it.num_tokens == 1 + it.num_spec and it.needs_logits and it.seq.output_token_ids
+                    and it.seq.pooling is None for it in items)
+        runs = None
+        if plain and self.sampler.greedy_only([step_batch.sampling_request(it.seq) for it in items]):
+            runs = self.runner.execute_steps(inputs, steps)
+        if runs is None:
+            for it in items:
+                it.num_tokens -= it.num_spec
+                it.num_spec = 0
+            return False
+        self._accept([(it.seq, tokens, None) for it, tokens in zip(items, runs)], touched)
+        self.scheduler.update(sched)
+        return True
+
+    def _lookahead(self, seq: Sequence) -> int:
+        """Slots past seq's next token the scheduler may reserve: its draft tokens, or the further
+        steps of multi-step decoding (plain greedy only, never past max_tokens)."""
+        k = self.config.num_scheduler_steps
+        if k == 1:
+            return self.spec_decoder.budget(seq, self.max_model_len)
+        p = seq.params
+        if not self.sampler.greedy_only([step_batch.sampling_request(seq)]) or p.max_tokens is None:
+            return 0
+        return max(0, min(k - 1, p.max_tokens - len(seq.output_token_ids) - 1))
 
     def _take_hidden(self, batch: step_batch.StepBatch, hidden: torch.Tensor, touched: set[str]) -> None:
         """Prompt logprobs and embeddings from this pass's hidden rows; a failure ends only its
@@ -439,7 +480,7 @@ class LLMEngine:
         if seq.grammar is not None and not seq.grammar.accept(token):  # the mask should make this impossible
             raise RuntimeError(f"token {token} is not allowed by the request's grammar")
         seq.append_token(token, now)
-        seq.max_spec_tokens = self.spec_decoder.budget(seq, self.max_model_len)
+        seq.max_spec_tokens = self._lookahead(seq)
         if seq.params.logprobs is not None:
             seq.logprobs.append(logprob)
             seq.top_logprobs.append(top)

@@ -215,6 +215,18 @@ class ModelRunner:
         return None, self.model.compute_logits(hidden, upcast=False)
 
     @torch.inference_mode()
+    def execute_steps(self, inputs: Seq[StepInput], steps: Seq[int]) -> list[list[int]] | None:
+        """Multi-step greedy decoding: plain decode inputs, input i taking steps[i] decode steps
+        in one replay of the captured K-step graph (its slots already reserved) -> each input's
+        steps[i] argmax tokens; None where no such graph applies (the engine then decodes one
+        step; kvserve/engine/cuda_graphs.py)."""
+        g = self.graphs
+        if g is None or g.num_steps == 1 or max(steps) != g.num_steps or not g.applies(inputs):
+            return None
+        tokens = g.run_steps(inputs, steps).t().tolist()  # the one sync for K tokens a row
+        return [row[:n] for row, n in zip(tokens, steps)]
+
+    @torch.inference_mode()
     def execute_hidden(self, inputs: Seq[StepInput]) -> tuple[torch.Tensor, torch.Tensor]:
         """A forward pass where some inputs want `num_hidden` rows' final hidden states besides
         their logits: (logits [logit rows, vocab] as `execute` returns them, hidden [sum of

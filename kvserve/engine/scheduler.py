@@ -4,7 +4,8 @@ Pure Python (no torch). Each `schedule()` call picks, for one forward pass, how 
 each sequence feeds, starting at its `num_computed_tokens`:
 
 * Running sequences are visited oldest first. Decodes (one unknown token left) get 1 token,
-  plus up to k slots for draft tokens with speculative decoding (`seq.max_spec_tokens`), and
+  plus up to k lookahead slots (`seq.max_spec_tokens`: draft tokens with speculative decoding,
+  the further steps of multi-step decoding), and
   have budget reserved for them up front, so a big prefill chunk never starves them.
   Running sequences still in prefill get `min(remaining, budget left after the decodes)`.
 * Then waiting sequences, FCFS, get `min(remaining, budget)`; that single rule gives
@@ -93,7 +94,7 @@ class Scheduler:
         max_num_batched_tokens: int = 2048,
         max_model_len: int = 32768,
         enable_chunked_prefill: bool = True,
-        num_speculative_tokens: int = 0,
+        num_lookahead_slots: int = 0,
     ):
         for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                         ("max_model_len", max_model_len)):
@@ -104,7 +105,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
-        self.num_speculative_tokens = num_speculative_tokens
+        self.num_lookahead_slots = num_lookahead_slots
         self.watermark_blocks = int(WATERMARK_FRACTION * block_manager.num_blocks)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: oldest first, newest last
@@ -241,7 +242,7 @@ class Scheduler:
         """
         if seq.num_uncomputed_tokens != 1:
             return 0
-        spec = min(seq.max_spec_tokens, self.num_speculative_tokens, self.max_model_len - seq.num_tokens)
+        spec = min(seq.max_spec_tokens, self.num_lookahead_slots, self.max_model_len - seq.num_tokens)
         return 1 + max(0, spec)
 
     def _chunk(self, remaining: int, budget: int) -> int:

@@ -5,15 +5,16 @@ random bf16 weights written as an HF folder on the spot: real timings, meaningle
 For each:
 
 1. Greedy equality, fp32 on the device (TF32 off, so cuBLAS computes true fp32), decode steps
-   through the captured CUDA graphs, one request at a time and all in one batch, plus the eager
-   path in one batch, against the CPU engine's tokens (the exact reference). The two sum in other
+   through the captured CUDA graphs, one request at a time and all in one batch, multi-step graph
+   runs (--num-scheduler-steps) in one batch, plus the eager path in one batch, against the CPU
+   engine's tokens (the exact reference). The two sum in other
    orders, so tokens may part where two logits are within rounding of each other: at the first
    differing position the CPU's log-probabilities of both tokens give the margin; a margin under
    --tie-margin is a near-tie, anything else a mismatch. The CPU reference comes from
    --reference (a file `--write-reference` made on another machine: the device's time is short)
    or is computed here.
-2. Speed in bf16 (the CUDA default): batch-1 decode tok/s (graphs, and eager for the graphs'
-   share), TTFT of a fresh 512-token prompt, and the offline workload of `kvserve bench
+2. Speed in bf16 (the CUDA default): batch-1 decode tok/s (graphs, multi-step graph runs, and
+   eager for the graphs' share), TTFT of a fresh 512-token prompt, and the offline workload of `kvserve bench
    throughput` (64 requests, inputs 32-512, outputs 32-256, seed 0); HF transformers on the same
    device and weights in bf16 (`generate`, greedy, its default cache and SDPA attention) for
    batch-1 decode and the 512-token prefill; and the bandwidth bound of batch-1 decode: bytes a
@@ -261,7 +262,8 @@ class ModelReport:
 
 
 def check_greedy(source, refs: list[Reference], args, report: ModelReport) -> None:
-    """fp32 on the device, graphs (one at a time, one batch) and eager (one batch), against refs."""
+    """fp32 on the device, graphs (one at a time, one batch), multi-step graph runs (one batch,
+    where graphs are captured) and eager (one batch), against refs."""
     loaded = load_model(source, "float32", args.device)
     prompts = [r.prompt for r in refs]
     n = len(refs[0].tokens)
@@ -274,7 +276,17 @@ def check_greedy(source, refs: list[Reference], args, report: ModelReport) -> No
             got = greedy(llm, prompts, n, batched)
             report.greedy[label] = [compare(r, g, args.tie_margin) for r, g in zip(refs, got)]
             print_greedy(label, report.greedy[label])
+        graphs = llm.engine.runner.graphs is not None
         del llm
+        if graphs and args.num_scheduler_steps > 1:
+            llm = LLM(loaded=loaded, device=args.device, dtype="float32", enable_prefix_caching=False,
+                      kv_cache_gib=args.kv_cache_gib, max_num_seqs=len(prompts),
+                      num_scheduler_steps=args.num_scheduler_steps)
+            label = f"graphs, {args.num_scheduler_steps}-step runs, one batch"
+            got = greedy(llm, prompts, n, True)
+            report.greedy[label] = [compare(r, g, args.tie_margin) for r, g in zip(refs, got)]
+            print_greedy(label, report.greedy[label])
+            del llm
     del loaded
     free(args.device)
 
@@ -288,8 +300,18 @@ def measure_speed(source, hf_folder: Path | None, args, report: ModelReport, off
                                   args.output_len)
     sp["kvserve"]["graph_step_ms"] = graph_replay_ms(llm, args.device)
     print(f"  kvserve {args.speed_dtype}: {fmt(sp['kvserve'])}", flush=True)
+    graphs = llm.engine.runner.graphs is not None
     del llm
     free(args.device)
+    if graphs and args.num_scheduler_steps > 1:
+        multi = LLM(loaded=loaded, device=args.device, dtype=args.speed_dtype, kv_cache_gib=args.kv_cache_gib,
+                    max_num_seqs=1, num_scheduler_steps=args.num_scheduler_steps)
+        sp["kvserve_multi_step"] = decode_only_speed(multi, cfg.vocab_size, cfg.bos_token_id, args.repeats,
+                                                     args.output_len)
+        sp["kvserve_multi_step"]["num_scheduler_steps"] = args.num_scheduler_steps
+        print(f"  kvserve, {args.num_scheduler_steps}-step runs: {fmt(sp['kvserve_multi_step'])}", flush=True)
+        del multi
+        free(args.device)
     eager = LLM(loaded=loaded, device=args.device, dtype=args.speed_dtype, kv_cache_gib=args.kv_cache_gib,
                 enforce_eager=True)
     sp["kvserve_eager"] = decode_only_speed(eager, cfg.vocab_size, cfg.bos_token_id, args.repeats, args.output_len)
@@ -301,8 +323,12 @@ def measure_speed(source, hf_folder: Path | None, args, report: ModelReport, off
     sp["bound"] = {"bytes_per_token": step_bytes, "mean_context": context, "read_bandwidth_gbs": bw,
                    "decode_tok_s": bw * 1e9 / step_bytes}
     sp["kvserve_share_of_bound"] = sp["kvserve"]["decode_batch1_tok_s"] / sp["bound"]["decode_tok_s"]
+    multi_share = ""
+    if "kvserve_multi_step" in sp:
+        sp["multi_step_share_of_bound"] = sp["kvserve_multi_step"]["decode_batch1_tok_s"] / sp["bound"]["decode_tok_s"]
+        multi_share = f", with {args.num_scheduler_steps}-step runs at {100 * sp['multi_step_share_of_bound']:.0f}%"
     print(f"  bound: {step_bytes / 1e6:.1f} MB a step at {bw:.0f} GB/s -> {sp['bound']['decode_tok_s']:.0f} tok/s; "
-          f"kvserve at {100 * sp['kvserve_share_of_bound']:.0f}%", flush=True)
+          f"kvserve at {100 * sp['kvserve_share_of_bound']:.0f}%{multi_share}", flush=True)
     del loaded
     free(args.device)
     if hf_folder is not None:
@@ -468,6 +494,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=positive_int, default=128)
     p.add_argument("--offline-requests", type=positive_int, default=64)
     p.add_argument("--kv-cache-gib", type=positive_float, default=4.0)
+    p.add_argument("--num-scheduler-steps", type=positive_int, default=8,
+                   help="multi-step graph runs checked and timed beside single steps (1: not at all)")
     p.add_argument("--bandwidth-gib", type=positive_float, default=4.0)
     p.add_argument("--skip-speed", action="store_true", help="the greedy checks only")
     p.add_argument("--skip-hf", action="store_true")
