@@ -721,7 +721,7 @@ def residual_norm_rows(x: torch.Tensor, residual: torch.Tensor, eps: float, offs
 def norm_rope_write_rows(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, q_norm, k_norm,
                          cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                          k_pool: torch.Tensor | None, v_pool: torch.Tensor | None) -> torch.Tensor | None:
-    """CUDA: the attention prologue in two launches: q [T, H, D] normed (q_norm = (weight, eps,
+    """CUDA: the attention prologue in one launch: q [T, H, D] normed (q_norm = (weight, eps,
     offset) or None) and rotated -> [T, H, D]; k [T, KVH, D] likewise, written with v into the
     pools at `slots` (k None: a layer reusing another's K/V). None elsewhere."""
     if not _cuda_float(q, k, v, cos, sin, k_pool, v_pool) or q.stride(-1) != 1:
@@ -734,10 +734,11 @@ def norm_rope_write_rows(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tenso
     )
 
     cos, sin = cos.contiguous(), sin.contiguous()
-    out = triton_ops.norm_rope(q, q_norm, cos, sin)
-    if k is not None:
-        triton_ops.norm_rope(k, k_norm, cos, sin, out=k_pool, slots=slots, v=v, v_pool=v_pool)
-    return out
+    if k is None:
+        return triton_ops.norm_rope(q, q_norm, cos, sin)
+    if (q_norm is None) != (k_norm is None) or (q_norm is not None and q_norm[2] != k_norm[2]):
+        return None  # one launch takes one norm style for both (every model here has)
+    return triton_ops.qk_norm_rope(q, k, v, q_norm, k_norm, cos, sin, k_pool, v_pool, slots)
 
 
 def gated_act_rows(gate: torch.Tensor, up: torch.Tensor, gelu_tanh: bool) -> torch.Tensor | None:

@@ -9,8 +9,9 @@ differs from the PyTorch one only by the order of a norm's sum):
 
 - `rms_norm`: Llama style `w * round(norm(x))`, Gemma style (`offset`) `round(norm(x) * (1 + w))`.
 - `residual_norm`: `h = round(residual + x')` with x' = x or a norm of x, then a norm of h.
-- `norm_rope`: an optional per-head norm (q/k norms), then the half-rotation rotary embedding,
-  into an output tensor or into the KV pool at the step's slots (with V beside it).
+- `norm_rope`: an optional per-head norm (q/k norms), then the half-rotation rotary embedding.
+- `qk_norm_rope`: the same for q and k in one launch, k into the KV pool at the step's slots
+  with V beside it (the attention prologue of a decode step).
 - `gated_act`: `round(round(act(gate)) * up)` for SiLU and GELU-tanh.
 
 Under TRITON_INTERPRET=1 they run on the CPU, which is how the tests check them.
@@ -79,17 +80,13 @@ def _residual_norm_kernel(x_ptr, res_ptr, w1_ptr, w2_ptr, h_ptr, y_ptr, stride_x
 
 
 @triton.jit
-def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, slots_ptr, v_ptr, v_out_ptr, eps,
-                      stride_xt, stride_xh, stride_ct, stride_ot, stride_oh, stride_vt, stride_vh,
-                      stride_vot, stride_voh,
-                      D: tl.constexpr, HALF_BLOCK: tl.constexpr, NORM: tl.constexpr, OFFSET: tl.constexpr,
-                      TO_SLOTS: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+def _norm_rope_head(src, w_ptr, eps, cos_row, sin_row, dst, D: tl.constexpr, HALF_BLOCK: tl.constexpr,
+                    NORM: tl.constexpr, OFFSET: tl.constexpr):
+    """One head of D values at `src`: normed (NORM: over the whole head, weight w_ptr) and rotated
+    by the half-rotation RoPE with the position's cos / sin rows, stored at `dst`."""
     half: tl.constexpr = D // 2
     i = tl.arange(0, HALF_BLOCK)
     ok = i < half
-    src = x_ptr + t * stride_xt + h * stride_xh
     x1 = tl.load(src + i, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(src + half + i, mask=ok, other=0.0).to(tl.float32)
     if NORM:  # over the whole head: both halves
@@ -97,30 +94,62 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, slots_ptr, v_ptr,
         w1 = tl.load(w_ptr + i, mask=ok, other=0.0).to(tl.float32)
         w2 = tl.load(w_ptr + half + i, mask=ok, other=0.0).to(tl.float32)
         if OFFSET:
-            x1 = _round(x1 * r * (1.0 + w1), out_ptr)
-            x2 = _round(x2 * r * (1.0 + w2), out_ptr)
+            x1 = _round(x1 * r * (1.0 + w1), dst)
+            x2 = _round(x2 * r * (1.0 + w2), dst)
         else:
-            x1 = _round(_round(x1 * r, out_ptr) * w1, out_ptr)
-            x2 = _round(_round(x2 * r, out_ptr) * w2, out_ptr)
-    c1 = tl.load(cos_ptr + t * stride_ct + i, mask=ok, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_ptr + t * stride_ct + half + i, mask=ok, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + t * stride_ct + i, mask=ok, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + t * stride_ct + half + i, mask=ok, other=0.0).to(tl.float32)
+            x1 = _round(_round(x1 * r, dst) * w1, dst)
+            x2 = _round(_round(x2 * r, dst) * w2, dst)
+    c1 = tl.load(cos_row + i, mask=ok, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_row + half + i, mask=ok, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_row + i, mask=ok, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_row + half + i, mask=ok, other=0.0).to(tl.float32)
     # x * cos + cat(-x2, x1) * sin, each product and the sum rounded as the PyTorch ops round them
-    y1 = _round(_round(x1 * c1, out_ptr) + _round(-x2 * s1, out_ptr), out_ptr)
-    y2 = _round(_round(x2 * c2, out_ptr) + _round(x1 * s2, out_ptr), out_ptr)
-    row = t
-    if TO_SLOTS:
-        row = tl.load(slots_ptr + t).to(tl.int64)
-    dst = out_ptr + row * stride_ot + h * stride_oh
-    tl.store(dst + i, y1.to(out_ptr.dtype.element_ty), mask=ok)
-    tl.store(dst + half + i, y2.to(out_ptr.dtype.element_ty), mask=ok)
-    if TO_SLOTS:  # V of this head, beside its K
-        vs = v_ptr + t * stride_vt + h * stride_vh
-        vd = v_out_ptr + row * stride_vot + h * stride_voh
-        tl.store(vd + i, tl.load(vs + i, mask=ok, other=0.0).to(v_out_ptr.dtype.element_ty), mask=ok)
-        tl.store(vd + half + i, tl.load(vs + half + i, mask=ok, other=0.0).to(v_out_ptr.dtype.element_ty),
-                 mask=ok)
+    y1 = _round(_round(x1 * c1, dst) + _round(-x2 * s1, dst), dst)
+    y2 = _round(_round(x2 * c2, dst) + _round(x1 * s2, dst), dst)
+    tl.store(dst + i, y1.to(dst.dtype.element_ty), mask=ok)
+    tl.store(dst + half + i, y2.to(dst.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _copy_head(src, dst, D: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    ok = i < D
+    tl.store(dst + i, tl.load(src + i, mask=ok, other=0.0).to(dst.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, eps, stride_xt, stride_xh, stride_ct, stride_ot,
+                      stride_oh, D: tl.constexpr, HALF_BLOCK: tl.constexpr, NORM: tl.constexpr,
+                      OFFSET: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    _norm_rope_head(x_ptr + t * stride_xt + h * stride_xh, w_ptr, eps, cos_ptr + t * stride_ct,
+                    sin_ptr + t * stride_ct, out_ptr + t * stride_ot + h * stride_oh, D, HALF_BLOCK, NORM, OFFSET)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, q_out_ptr, k_pool_ptr, v_pool_ptr,
+                         slots_ptr, eps_q, eps_k, H,
+                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct,
+                         stride_ot, stride_oh, stride_ps, stride_ph, stride_vps, stride_vph,
+                         D: tl.constexpr, HALF_BLOCK: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr,
+                         OFFSET: tl.constexpr):
+    """Programs (t, h): h < H a query head, into q_out; else KV head h - H: K normed and rotated
+    into the K pool at slots[t], V copied beside it."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    cos_row = cos_ptr + t * stride_ct
+    sin_row = sin_ptr + t * stride_ct
+    if h < H:
+        _norm_rope_head(q_ptr + t * stride_qt + h * stride_qh, wq_ptr, eps_q, cos_row, sin_row,
+                        q_out_ptr + t * stride_ot + h * stride_oh, D, HALF_BLOCK, NORM, OFFSET)
+    else:
+        kh = h - H
+        slot = tl.load(slots_ptr + t).to(tl.int64)
+        _norm_rope_head(k_ptr + t * stride_kt + kh * stride_kh, wk_ptr, eps_k, cos_row, sin_row,
+                        k_pool_ptr + slot * stride_ps + kh * stride_ph, D, HALF_BLOCK, NORM, OFFSET)
+        _copy_head(v_ptr + t * stride_vt + kh * stride_vh, v_pool_ptr + slot * stride_vps + kh * stride_vph, D,
+                   BLOCK)
 
 
 @triton.jit(do_not_specialize=["n_cols"])
@@ -180,26 +209,39 @@ def residual_norm(x: torch.Tensor, residual: torch.Tensor, eps: float, offset: b
     return h if w2 is None else (h, y.view(residual.shape))
 
 
-def norm_rope(x: torch.Tensor, norm: tuple[torch.Tensor, float, bool] | None, cos: torch.Tensor, sin: torch.Tensor,
-              out: torch.Tensor | None = None, slots: torch.Tensor | None = None, v: torch.Tensor | None = None,
-              v_pool: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, heads, D] (unit stride along D) -> each head normed (norm = (weight, eps, offset), or
-    None) and rotated (cos, sin [T, D]). Into a new [T, heads, D] tensor, or with `slots` [T]
-    into out = the K pool [slots, heads, D] at slots[t], v [T, heads, D] going to v_pool beside it."""
+def norm_rope(x: torch.Tensor, norm: tuple[torch.Tensor, float, bool] | None, cos: torch.Tensor,
+              sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] (unit stride along D) -> [T, heads, D], each head normed (norm = (weight,
+    eps, offset), or None) and rotated (cos, sin [T, D])."""
     T, heads, D = x.shape
-    to_slots = slots is not None
-    if out is None:
-        out = torch.empty(T, heads, D, dtype=x.dtype, device=x.device)
+    out = torch.empty(T, heads, D, dtype=x.dtype, device=x.device)
     if T == 0:
         return out
     weight, eps, offset = norm if norm is not None else (x, 0.0, False)
-    if not to_slots:
-        v = v_pool = x
-        slots = cos  # unused
-    _norm_rope_kernel[(T, heads)](
-        x, weight, cos, sin, out, slots, v, v_pool, eps, x.stride(0), x.stride(1), cos.stride(0),
-        out.stride(0), out.stride(1), v.stride(0), v.stride(1), v_pool.stride(0), v_pool.stride(1),
-        D=D, HALF_BLOCK=_block(D // 2), NORM=norm is not None, OFFSET=offset, TO_SLOTS=to_slots)
+    _norm_rope_kernel[(T, heads)](x, weight, cos, sin, out, eps, x.stride(0), x.stride(1), cos.stride(0),
+                                  out.stride(0), out.stride(1), D=D, HALF_BLOCK=_block(D // 2),
+                                  NORM=norm is not None, OFFSET=offset)
+    return out
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm, k_norm, cos: torch.Tensor,
+                 sin: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """An attention prologue in one launch: q [T, H, D] -> normed (q_norm = (weight, eps, offset)
+    or None) and rotated [T, H, D]; k [T, KVH, D] likewise (k_norm) into k_pool [slots, KVH, D] at
+    slots[t], v [T, KVH, D] into v_pool beside it. Unit stride along D everywhere; q_norm and k_norm
+    both given (with one offset style) or both None."""
+    T, H, D = q.shape
+    KVH = k.shape[1]
+    out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
+    if T == 0:
+        return out
+    wq, eps_q, offset = q_norm if q_norm is not None else (q, 0.0, False)
+    wk, eps_k, _ = k_norm if k_norm is not None else (k, 0.0, False)
+    _qk_norm_rope_kernel[(T, H + KVH)](
+        q, k, v, wq, wk, cos, sin, out, k_pool, v_pool, slots, eps_q, eps_k, H,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+        out.stride(0), out.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+        D=D, HALF_BLOCK=_block(D // 2), BLOCK=_block(D), NORM=q_norm is not None, OFFSET=offset)
     return out
 
 

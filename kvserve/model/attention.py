@@ -440,8 +440,8 @@ class Attention(nn.Module):
         return norm_rope_write(q, k, v, q_gain, k_gain, eps, cos, sin, meta.slot_mapping, k_pool, v_pool)
 
     def _fused_prologue_cuda(self, q, k, v, cos_sin, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor | None:
-        """The same prologue on CUDA: two Triton launches (kernels/triton_ops.py), the PyTorch
-        ops' roundings."""
+        """The same prologue on CUDA: one Triton launch for q and k (kernels/triton_ops.py), the
+        PyTorch ops' roundings."""
         k_pool, v_pool, _ = kv_cache.layer(self.layer) if self.computes_kv else (None, None, None)
         q_norm = None if self.q_norm is None else (self.q_norm.weight, self.q_norm.eps, self.q_norm.offset)
         k_norm = None if self.k_norm is None else (self.k_norm.weight, self.k_norm.eps, self.k_norm.offset)
