@@ -129,6 +129,26 @@ def test_llama_multi_step_runs_equal_the_plain_engine(tmp_path, steps_on_cpu, on
     assert engine.block_manager.num_free_blocks == engine.num_blocks
 
 
+def test_multi_step_under_a_tight_pool(tmp_path, steps_on_cpu, one_thread):
+    """Lookahead slots the pool cannot hold shrink a run (a row idles early, or the step decodes
+    one token a sequence) and sequences are preempted and recomputed: the tokens stay the plain
+    engine's, and every block comes back."""
+    make_model("llama", tmp_path)
+    loaded = load_model(tmp_path)
+    prompts = [[2] + list(range(10 + i, 40 + i)) for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    plain = LLM(loaded=loaded, kv_cache_gib=0.01, max_num_seqs=8)
+    want = _outputs(plain, prompts, params)
+    # 14 pages of 16 tokens; the six sequences want 4 each by their end.
+    tight = LLM(loaded=loaded, kv_cache_gib=14 * plain.engine.page_bytes / 2**30, max_num_seqs=8,
+                num_scheduler_steps=4)
+    engine = tight.engine
+    assert engine.num_blocks == 14
+    assert _outputs(tight, prompts, params) == want
+    assert engine.stats()["num_preemptions"] > 0 and steps_on_cpu
+    assert engine.block_manager.num_free_blocks == engine.num_blocks
+
+
 def test_gemma_multi_step_with_sampled_neighbours(gemma, steps_on_cpu):
     """Gemma's six KV layer groups (sliding-window tables); a batch holding a sampled or
     logprob-reporting request decodes one step at a time, equal to the plain engine."""

@@ -13,9 +13,10 @@ For each:
    --tie-margin is a near-tie, anything else a mismatch. The CPU reference comes from
    --reference (a file `--write-reference` made on another machine: the device's time is short)
    or is computed here.
-2. Speed in bf16 (the CUDA default): batch-1 decode tok/s (graphs, multi-step graph runs, and
-   eager for the graphs' share), TTFT of a fresh 512-token prompt, and the offline workload of `kvserve bench
-   throughput` (64 requests, inputs 32-512, outputs 32-256, seed 0); HF transformers on the same
+2. Speed in bf16 (the CUDA default): batch-1 decode tok/s (graphs, and eager for the graphs'
+   share), TTFT of a fresh 512-token prompt, and the offline workload of `kvserve bench
+   throughput` (64 requests, inputs 32-512, outputs 32-256, seed 0), all again with multi-step
+   graph runs (--num-scheduler-steps); HF transformers on the same
    device and weights in bf16 (`generate`, greedy, its default cache and SDPA attention) for
    batch-1 decode and the 512-token prefill; and the bandwidth bound of batch-1 decode: bytes a
    step reads (weights + K/V at the mean context) over the device's measured read bandwidth.
@@ -305,9 +306,9 @@ def measure_speed(source, hf_folder: Path | None, args, report: ModelReport, off
     free(args.device)
     if graphs and args.num_scheduler_steps > 1:
         multi = LLM(loaded=loaded, device=args.device, dtype=args.speed_dtype, kv_cache_gib=args.kv_cache_gib,
-                    max_num_seqs=1, num_scheduler_steps=args.num_scheduler_steps)
-        sp["kvserve_multi_step"] = decode_only_speed(multi, cfg.vocab_size, cfg.bos_token_id, args.repeats,
-                                                     args.output_len)
+                    num_scheduler_steps=args.num_scheduler_steps)
+        sp["kvserve_multi_step"] = kvserve_speed(multi, cfg.vocab_size, cfg.bos_token_id, args.device, args.repeats,
+                                                 offline, args.output_len)
         sp["kvserve_multi_step"]["num_scheduler_steps"] = args.num_scheduler_steps
         print(f"  kvserve, {args.num_scheduler_steps}-step runs: {fmt(sp['kvserve_multi_step'])}", flush=True)
         del multi
