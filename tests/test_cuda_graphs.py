@@ -128,6 +128,14 @@ def test_llama_multi_step_runs_equal_the_plain_engine(tmp_path, steps_on_cpu, on
     assert _outputs(multi, prompts[:1], stopping)[0][0][-1] == stop_at
     assert engine.block_manager.num_free_blocks == engine.num_blocks
 
+    # No max_tokens: runs until the context window is full, never past it.
+    endless = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    capped = [LLM(loaded=loaded, kv_cache_gib=0.01, max_num_seqs=8, max_model_len=45, **kw) for kw in
+              ({}, {"num_scheduler_steps": 4})]
+    want = _outputs(capped[0], prompts[:2], endless)
+    assert [len(o[0]) for o in want] == [45 - len(p) for p in prompts[:2]]
+    assert _outputs(capped[1], prompts[:2], endless) == want
+
 
 def test_multi_step_under_a_tight_pool(tmp_path, steps_on_cpu, one_thread):
     """Lookahead slots the pool cannot hold shrink a run (a row idles early, or the step decodes

@@ -386,9 +386,10 @@ class LLMEngine:
         if k == 1:
             return self.spec_decoder.budget(seq, self.max_model_len)
         p = seq.params
-        if not self.sampler.greedy_only([step_batch.sampling_request(seq)]) or p.max_tokens is None:
+        if not self.sampler.greedy_only([step_batch.sampling_request(seq)]):
             return 0
-        return max(0, min(k - 1, p.max_tokens - len(seq.output_token_ids) - 1))
+        left = self.max_model_len if p.max_tokens is None else p.max_tokens - len(seq.output_token_ids)
+        return max(0, min(k - 1, left - 1))
 
     def _take_hidden(self, batch: step_batch.StepBatch, hidden: torch.Tensor, touched: set[str]) -> None:
         """Prompt logprobs and embeddings from this pass's hidden rows; a failure ends only its
