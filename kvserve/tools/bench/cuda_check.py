@@ -437,7 +437,14 @@ def write_reference(args) -> int:
 
 
 def run(args) -> dict:
+    started = time.perf_counter()
     out = {"environment": environment(args.device), "models": {}}
+
+    def checkpoint() -> None:
+        """Save what is done so far, with the seconds it took (a lent device's minutes are few)."""
+        out["environment"]["wall_s"] = round(time.perf_counter() - started, 1)
+        save(out, args.json_dir, args.device)
+
     if args.device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # true fp32 matmuls: the CPU's numbers, other order
         torch.backends.cudnn.allow_tf32 = False
@@ -453,7 +460,7 @@ def run(args) -> dict:
             print(f"\n== {gemma.name}", flush=True)
             attempt(gemma, "greedy", lambda: check_greedy(args.model, gemma_references(args), args, gemma),
                     args.device)
-            save(out, args.json_dir, args.device)
+            checkpoint()
         if not args.skip_synthetic:
             llama = models["llama_1b"] = ModelReport("synthetic Llama 3.2 1B shapes, bf16 random weights")
             print(f"\n== {llama.name}", flush=True)
@@ -465,13 +472,13 @@ def run(args) -> dict:
                 attempt(llama, "speed", lambda: measure_speed(folder, None if args.skip_hf else folder, args, llama,
                                                                      args.offline_requests),
                         args.device)
-            save(out, args.json_dir, args.device)
+            checkpoint()
         if not args.skip_gemma and not args.skip_speed:
             print(f"\n== {gemma.name}: speed", flush=True)
             attempt(gemma, "speed", lambda: measure_speed(args.model, gemma_hf_folder(args, Path(tmp)), args, gemma,
                                                           args.offline_requests), args.device)
     out["ok"] = all(m.ok for m in models.values())
-    save(out, args.json_dir, args.device)
+    checkpoint()
     return out
 
 
