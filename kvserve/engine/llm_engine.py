@@ -361,15 +361,16 @@ class LLMEngine:
         not apply, after giving back the reserved slots (the step then decodes one token a
         sequence; the scheduler's update returns the blocks that held only them)."""
         items = sched.scheduled
-        steps = [1 + it.num_spec for it in items]
-        inputs = [StepInput(it.seq.token_slice(it.start, it.start + 1), it.start, it.seq.block_table,
-                            group_tables=it.seq.group_block_tables) for it in items]
+        if not any(it.num_spec for it in items):
+            return False
         # Decodes past their first token (a prompt's last chunk samples the first token and may fork)
         plain = all(it.num_tokens == 1 + it.num_spec and it.needs_logits and it.seq.output_token_ids
                     and it.seq.pooling is None for it in items)
         runs = None
         if plain and self.sampler.greedy_only([step_batch.sampling_request(it.seq) for it in items]):
-            runs = self.runner.execute_steps(inputs, steps)
+            inputs = [StepInput(it.seq.token_slice(it.start, it.start + 1), it.start, it.seq.block_table,
+                                group_tables=it.seq.group_block_tables) for it in items]
+            runs = self.runner.execute_steps(inputs, [1 + it.num_spec for it in items])
         if runs is None:
             for it in items:
                 it.num_tokens -= it.num_spec
