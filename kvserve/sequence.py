@@ -128,6 +128,13 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    def lookahead_limit(self, k: int, max_model_len: int) -> int:
+        """Up to k slots past the next token (draft tokens, further decode steps), never more than
+        the request may still emit after it (max_tokens, else the context window)."""
+        max_tokens = self.params.max_tokens
+        left = max_model_len if max_tokens is None else max_tokens - len(self.output_token_ids)
+        return max(0, min(k, left - 1))
+
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids

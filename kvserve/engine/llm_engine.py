@@ -386,11 +386,9 @@ class LLMEngine:
         k = self.config.num_scheduler_steps
         if k == 1:
             return self.spec_decoder.budget(seq, self.max_model_len)
-        p = seq.params
         if not self.sampler.greedy_only([step_batch.sampling_request(seq)]):
             return 0
-        left = self.max_model_len if p.max_tokens is None else p.max_tokens - len(seq.output_token_ids)
-        return max(0, min(k - 1, left - 1))
+        return seq.lookahead_limit(k - 1, self.max_model_len)
 
     def _take_hidden(self, batch: step_batch.StepBatch, hidden: torch.Tensor, touched: set[str]) -> None:
         """Prompt logprobs and embeddings from this pass's hidden rows; a failure ends only its

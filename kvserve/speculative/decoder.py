@@ -142,8 +142,7 @@ class SpeculativeDecoder:
             return 0
         if len(seq.output_token_ids) < p.min_tokens:
             return 0  # eos is masked per position until then: plain sampling handles it
-        left = max_model_len if p.max_tokens is None else p.max_tokens - len(seq.output_token_ids)
-        return max(0, min(self.config.speculative_config.num_speculative_tokens, left - 1))
+        return seq.lookahead_limit(self.config.speculative_config.num_speculative_tokens, max_model_len)
 
     # ---------------------------------------------------------------- per step
     def copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
