@@ -19,6 +19,9 @@ DEVICES = ("cpu", "cuda")
 SPECULATIVE = ("ngram", "draft", "self")
 WEIGHTS = ("float", "int8", "int4", "gguf")
 GGUF_ACTIVATIONS = ("int8", "float")
+# Multi-step decoding unrolls this many steps into every captured graph (start-up time and graph
+# memory grow with it; past a few dozen steps the host's share of a token is already gone).
+MAX_SCHEDULER_STEPS = 32
 
 
 def _positive_int(owner: object, name: str, optional: bool = False) -> None:
@@ -72,6 +75,9 @@ class SchedulerConfig:
         _positive_int(self, "max_num_batched_tokens")
         _positive_int(self, "max_model_len", optional=True)
         _positive_int(self, "num_scheduler_steps")
+        if self.num_scheduler_steps > MAX_SCHEDULER_STEPS:
+            raise ValueError(f"num_scheduler_steps must be at most {MAX_SCHEDULER_STEPS} (each step is captured "
+                             f"into every CUDA graph), got {self.num_scheduler_steps}")
         _flag(self, "enable_chunked_prefill")
 
 

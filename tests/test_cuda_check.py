@@ -137,3 +137,9 @@ def test_sizes_must_be_positive(cuda_check, flag, capsys):
     with pytest.raises(SystemExit):
         cuda_check.main(["--device", "cpu", flag, "0"])
     assert flag in capsys.readouterr().err
+
+
+def test_scheduler_steps_are_bounded(cuda_check, capsys):
+    with pytest.raises(SystemExit):
+        cuda_check.main(["--device", "cpu", "--num-scheduler-steps", "1000"])
+    assert "--num-scheduler-steps must be at most 32" in capsys.readouterr().err

@@ -177,6 +177,8 @@ def test_num_scheduler_steps_is_checked(gemma):
         LLM(num_scheduler_steps=0)
     with pytest.raises(ValueError, match="num_scheduler_steps"):
         LLM(num_scheduler_steps=2.5)
+    with pytest.raises(ValueError, match="num_scheduler_steps must be at most 32"):
+        LLM(num_scheduler_steps=10**6)
     with pytest.raises(ValueError, match="num_scheduler_steps 4 and speculative 'ngram'"):
         LLM(loaded=gemma, num_scheduler_steps=4, speculative="ngram")
     with pytest.raises(ValueError, match="num_scheduler_steps 4: multi-step decoding runs its steps in captured CUDA"):

@@ -45,6 +45,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from kvserve import LLM, SamplingParams
 from kvserve.argtypes import positive_float, positive_int
+from kvserve.config import MAX_SCHEDULER_STEPS
 from kvserve.loading import load_model
 from kvserve.loading.loader import default_model_path
 from kvserve.loading.save import save_model
@@ -514,7 +515,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.num_scheduler_steps > MAX_SCHEDULER_STEPS:  # before the device's minutes are spent
+        parser.error(f"--num-scheduler-steps must be at most {MAX_SCHEDULER_STEPS}, got {args.num_scheduler_steps}")
     if args.model is None:
         args.model = default_model_path()
     args.model = Path(args.model)
