@@ -24,7 +24,7 @@ from kvserve.kernels.host_memory import empty_huge
 from kvserve.loading.cache import atomic_write_bytes, entry_dir, replace_atomically
 from kvserve.loading.errors import ModelLoadError
 from kvserve.loading.serialize import config_from_dict, config_to_dict
-from kvserve.loading.tokenizer import convert_gguf_tokenizer
+from kvserve.loading.tokenizer import cached_gguf_tokenizer, write_gguf_tokenizer
 from kvserve.model.config import FULL, SLIDING, ModelConfig, MoEConfig, RopeConfig
 from kvserve.weights.embedding import QuantEmbedding
 from kvserve.weights.ggml import GGMLLinear, row_bytes
@@ -310,15 +310,27 @@ def _dequantized_experts(t, names: list[str], cfg: ModelConfig, path: Path) -> d
             for e, name in enumerate(names)}
 
 
+def _tokenizer_meta(reader, path: Path) -> dict:
+    """The tokenizer.ggml.* metadata by key without its prefix."""
+    prefix = "tokenizer.ggml."
+    return {k.removeprefix(prefix): _field(reader, k, path=path) for k in reader.fields if k.startswith(prefix)}
+
+
+def _gguf_tokenizer(reader, path: Path, entry: Path) -> Path:
+    """The cache entry's tokenizer file (tokenizer.model or tokenizer.json), written once."""
+    arch = _field(reader, "general.architecture", "", path, str)
+    return cached_gguf_tokenizer(entry) or write_gguf_tokenizer(path, _tokenizer_meta(reader, path), arch, entry)
+
+
 def load_gguf(path: Path) -> tuple[ModelConfig, Path, Path]:
-    """Convert (once) and return (config, safetensors path, tokenizer.json path) from the cache."""
+    """Convert (once) and return (config, safetensors path, tokenizer file) from the cache."""
     path = Path(path)
     if not path.is_file():
         raise ModelLoadError(path, "no such GGUF file")
     entry = entry_dir("gguf", path)
-    cfg_file, weights, tok_file = entry / "config.json", entry / "model.safetensors", entry / "tokenizer.json"
-    if not (cfg_file.exists() and weights.exists() and tok_file.exists()):
-        _convert(path, cfg_file, weights, tok_file)
+    cfg_file, weights, tok_file = entry / "config.json", entry / "model.safetensors", cached_gguf_tokenizer(entry)
+    if not (cfg_file.exists() and weights.exists() and tok_file is not None):
+        tok_file = _convert(path, entry, cfg_file, weights)
     try:
         cfg = config_from_dict(json.loads(cfg_file.read_text()))
     except (ValueError, KeyError, TypeError) as e:
@@ -326,15 +338,16 @@ def load_gguf(path: Path) -> tuple[ModelConfig, Path, Path]:
     return cfg, weights, tok_file
 
 
-def _convert(path: Path, cfg_file: Path, weights: Path, tok_file: Path) -> None:
+def _convert(path: Path, entry: Path, cfg_file: Path, weights: Path) -> Path:
+    """Write the entry's weights, tokenizer and config (last: it marks a complete entry) -> the
+    tokenizer file."""
     reader = open_gguf(path)
     cfg = read_gguf_config(reader, path)
     sd = gguf_state_dict(reader, cfg, path)
-    if not tok_file.exists():
-        convert_gguf_tokenizer(path, tok_file)
+    tok_file = _gguf_tokenizer(reader, path, entry)
     replace_atomically(weights, lambda tmp: save_file(sd, str(tmp)))
-    # The config goes last: its presence marks a complete entry.
     atomic_write_bytes(cfg_file, json.dumps(config_to_dict(cfg), indent=1).encode())
+    return tok_file
 
 
 # ---------------------------------------------------------------- the file's own blocks
@@ -349,14 +362,13 @@ def _tensor_index(reader) -> list[dict]:
 
 
 def _block_entry(path: Path) -> tuple[ModelConfig, list[dict], Path]:
-    """(config, tensor index, tokenizer.json) of a GGUF from the cache, made once (no weights)."""
+    """(config, tensor index, tokenizer file) of a GGUF from the cache, made once (no weights)."""
     entry = entry_dir("gguf", path)
-    cfg_file, tok_file, index_file = entry / "config.json", entry / "tokenizer.json", entry / "tensors.json"
-    if not (cfg_file.exists() and tok_file.exists() and index_file.exists()):
+    cfg_file, tok_file, index_file = entry / "config.json", cached_gguf_tokenizer(entry), entry / "tensors.json"
+    if not (cfg_file.exists() and tok_file is not None and index_file.exists()):
         reader = open_gguf(path)
         cfg = read_gguf_config(reader, path)
-        if not tok_file.exists():
-            convert_gguf_tokenizer(path, tok_file)
+        tok_file = _gguf_tokenizer(reader, path, entry)
         index = {"version": _INDEX_VERSION, "size": path.stat().st_size, "tensors": _tensor_index(reader)}
         atomic_write_bytes(index_file, json.dumps(index).encode())
         if not cfg_file.exists():
@@ -372,7 +384,7 @@ def _block_entry(path: Path) -> tuple[ModelConfig, list[dict], Path]:
 
 
 def gguf_block_entry(path: Path) -> tuple[ModelConfig, list[dict], Path]:
-    """(config, tensor index, tokenizer.json) of a GGUF loaded as blocks, from its cache entry
+    """(config, tensor index, tokenizer file) of a GGUF loaded as blocks, from its cache entry
     (made once); load_gguf_blocks takes the first two."""
     path = Path(path)
     if not path.is_file():

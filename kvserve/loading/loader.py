@@ -198,7 +198,8 @@ def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "floa
         # The tokenizer before the weights: parsing a large vocabulary peaks a few hundred MB above
         # what it keeps (262k entries: +0.25 GB), a transient that should not sit on top of them.
         cfg, index, tok_file = gguf_block_entry(path)
-        tokenizer = Tokenizer.from_file(tok_file, cfg.eos_token_ids, cfg.bos_token_id)
+        tokenizer = Tokenizer.from_file(tok_file, cfg.eos_token_ids, cfg.bos_token_id, gguf_source=path,
+                                        add_bos=cfg.add_bos_token)
         sd, modules = load_gguf_blocks(path, cfg, index, torch_dtype, gguf_activations, mmap=gguf_mmap)
         return LoadedModel(build_model(cfg, sd, torch_dtype, device, path, modules=modules), cfg, tokenizer, path)
     elif path.suffix == ".gguf":
@@ -211,7 +212,8 @@ def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "floa
         raise ModelLoadError(path, "not a .gguf file nor a folder with config.json")
     if not tok_file.exists():
         raise ModelLoadError(tok_file, "tokenizer.json not found")
-    tokenizer = Tokenizer.from_file(tok_file, cfg.eos_token_ids, cfg.bos_token_id)
+    tokenizer = Tokenizer.from_file(tok_file, cfg.eos_token_ids, cfg.bos_token_id,
+                                    gguf_source=path if path.suffix == ".gguf" else None, add_bos=cfg.add_bos_token)
     modules = None
     if path.is_dir() and sparse:  # an N:M-compressed folder (kvserve.loading.sparse_nm.save_compressed)
         sd, modules = sparse_parts(path, cfg, torch_dtype)

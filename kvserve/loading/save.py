@@ -128,7 +128,7 @@ def _write_staged(folder: Path, cfg, hf: dict, tensors: dict[str, torch.Tensor],
     if isinstance(tokenizer, (str, Path)):
         shutil.copyfile(tokenizer, folder / "tokenizer.json")
     else:
-        tokenizer._tk.save(str(folder / "tokenizer.json"))
+        tokenizer.save_json(folder / "tokenizer.json")
     if src is not None and src.is_dir():
         for f in _TOKENIZER_EXTRAS:
             if (src / f).is_file():

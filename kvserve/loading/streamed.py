@@ -47,7 +47,7 @@ Quantize = Callable[[torch.nn.Module, Callable[[torch.nn.Module, int], None]], Q
 
 
 def streamable_source(path: Path) -> tuple[ModelConfig, TensorFiles, Path] | None:
-    """(config, tensors, tokenizer.json) of a source whose float tensors can be read one at a
+    """(config, tensors, tokenizer file) of a source whose float tensors can be read one at a
     time: a plain HF folder or a GGUF file (its fp32 cache, converted once); None otherwise."""
     if path.is_dir():
         if read_quantization_config(path) is not None or read_sparsity_config(path) is not None:
@@ -112,7 +112,8 @@ def stream_quantize(path: Path, quantize: Quantize, dtype: torch.dtype = torch.f
     cfg, files, tok_file = found
     if not tok_file.exists():
         raise ModelLoadError(tok_file, "tokenizer.json not found")
-    tokenizer = Tokenizer.from_file(tok_file, cfg.eos_token_ids, cfg.bos_token_id)
+    tokenizer = Tokenizer.from_file(tok_file, cfg.eos_token_ids, cfg.bos_token_id,
+                                    gguf_source=path if path.suffix == ".gguf" else None, add_bos=cfg.add_bos_token)
     model, blocks = skeleton_with_ends(cfg, files, dtype, path)
     report = quantize(model, block_placer(files, blocks, dtype))
     release_freed_memory()
