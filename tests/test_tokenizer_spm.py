@@ -115,7 +115,8 @@ def test_other_vocabularies_take_the_hf_converter(meta):
     types = list(meta["token_type"])
     types[3] = 2  # an <unk> that is not a control token is not special in HF
     for change in [{"model": "gpt2"}, {"add_space_prefix": True}, {"add_eos_token": True}, {"pre": "llama-bpe"},
-                   {"unknown_token_id": -1}, {"token_type": [1, 1]}, {"token_type": types}]:
+                   {"unknown_token_id": -1}, {"token_type": [1, 1]}, {"token_type": types},
+                   {"unknown_token_id": "x"}, {"tokens": list(range(len(types)))}]:  # (wrong types in a file)
         assert sentencepiece_model({**meta, **change}, "gemma3") is None, next(iter(change))
     # a vocabulary that does not say add_space_prefix=false gets HF's default (a prefix space)
     assert sentencepiece_model({k: v for k, v in meta.items() if k != "add_space_prefix"}, "gemma3") is None

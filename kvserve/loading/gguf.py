@@ -24,7 +24,7 @@ from kvserve.kernels.host_memory import empty_huge
 from kvserve.loading.cache import atomic_write_bytes, entry_dir, replace_atomically
 from kvserve.loading.errors import ModelLoadError
 from kvserve.loading.serialize import config_from_dict, config_to_dict
-from kvserve.loading.tokenizer import cached_gguf_tokenizer, write_gguf_tokenizer
+from kvserve.loading.tokenizer import GEMMA_VOCABULARIES, cached_gguf_tokenizer, write_gguf_tokenizer
 from kvserve.model.config import FULL, SLIDING, ModelConfig, MoEConfig, RopeConfig
 from kvserve.weights.embedding import QuantEmbedding
 from kvserve.weights.ggml import GGMLLinear, row_bytes
@@ -317,9 +317,15 @@ def _tokenizer_meta(reader, path: Path) -> dict:
 
 
 def _gguf_tokenizer(reader, path: Path, entry: Path) -> Path:
-    """The cache entry's tokenizer file (tokenizer.model or tokenizer.json), written once."""
+    """The cache entry's tokenizer file (tokenizer.model or tokenizer.json), written once. The
+    vocabulary's values are read only for the architectures that can use them (the others go to
+    transformers' converter, which reads the file itself)."""
+    cached = cached_gguf_tokenizer(entry)
+    if cached is not None:
+        return cached
     arch = _field(reader, "general.architecture", "", path, str)
-    return cached_gguf_tokenizer(entry) or write_gguf_tokenizer(path, _tokenizer_meta(reader, path), arch, entry)
+    meta = _tokenizer_meta(reader, path) if arch in GEMMA_VOCABULARIES else {}
+    return write_gguf_tokenizer(path, meta, arch, entry)
 
 
 def load_gguf(path: Path) -> tuple[ModelConfig, Path, Path]:

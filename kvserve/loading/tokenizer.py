@@ -87,11 +87,16 @@ class SentencePieceTokenizer(Tokenizer):
         self.bos_token_id = bos_token_id
         self.gguf_source = gguf_source
         self._prefix = [bos_token_id] if add_bos and bos_token_id is not None else []
-        n = sp.get_piece_size()
-        # Control pieces and <unk>: HF's special added tokens for such a vocabulary.
-        self._special = {i for i in range(n) if sp.is_control(i) or sp.is_unknown(i)}
-        self._bytes = {i: int(sp.id_to_piece(i)[3:5], 16) for i in range(n) if sp.is_byte(i)}  # "<0x41>" -> 65
-        self._special_by_text = {sp.id_to_piece(i): i for i in self._special}
+        # Control pieces and <unk> are HF's special added tokens for such a vocabulary; byte pieces
+        # ("<0x41>" -> 65) are what its decoder's byte fallback reads. One pass over the vocabulary.
+        self._special_by_text: dict[str, int] = {}
+        self._bytes: dict[int, int] = {}
+        for i in range(sp.get_piece_size()):
+            if sp.is_control(i) or sp.is_unknown(i):
+                self._special_by_text[sp.id_to_piece(i)] = i
+            elif sp.is_byte(i):
+                self._bytes[i] = int(sp.id_to_piece(i)[3:5], 16)
+        self._special = set(self._special_by_text.values())
         lengths: dict[str, set[int]] = {}
         for text in self._special_by_text:
             lengths.setdefault(text[0], set()).add(len(text))
@@ -209,6 +214,21 @@ def sentencepiece_model(meta: dict, architecture: str) -> bytes | None:
     if (architecture not in GEMMA_VOCABULARIES or meta.get("model") != "llama" or meta.get("add_space_prefix", True)
             or meta.get("add_eos_token", False) or meta.get("pre", "default") != "default"):
         return None
+    try:  # values of the wrong type (a file's, not ours) leave the vocabulary to HF's converter too
+        blob = _model_proto(meta)
+    except (TypeError, ValueError):
+        return None
+    if blob is None:
+        return None
+    try:  # SentencePiece refuses what it cannot load (duplicate pieces, say): HF's converter then
+        sentencepiece.SentencePieceProcessor(model_proto=blob)
+    except RuntimeError:
+        return None
+    return blob
+
+
+def _model_proto(meta: dict) -> bytes | None:
+    """`sentencepiece_model`'s serialized proto, None where the vocabulary lacks what it needs."""
     tokens, types = meta.get("tokens"), meta.get("token_type")
     if not tokens or types is None or len(tokens) != len(types):
         return None
@@ -237,12 +257,7 @@ def sentencepiece_model(meta: dict, architecture: str) -> bytes | None:
             text, kind = "\u2581" * len(text), _NORMAL if kind == _USER_DEFINED else kind
         piece = m.pieces.add()
         piece.piece, piece.score, piece.type = text, float(-i), kind
-    blob = m.SerializeToString()
-    try:  # SentencePiece refuses what it cannot load (duplicate pieces, say): HF's converter then
-        sentencepiece.SentencePieceProcessor(model_proto=blob)
-    except RuntimeError:
-        return None
-    return blob
+    return m.SerializeToString()
 
 
 def write_gguf_tokenizer(gguf_path: Path, meta: dict, architecture: str, folder: Path) -> Path:
