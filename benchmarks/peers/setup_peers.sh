@@ -24,7 +24,18 @@ setup_llamacpp() {
     make_venv "$venv"
     # GGML_NATIVE: build for this CPU's instruction set (AVX2/AVX-512...), as llama.cpp's own
     # release builds do. LLAVA_BUILD=OFF skips the multimodal library the benchmark never uses.
-    CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF ${CMAKE_ARGS:-}" \
+    local native="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF"
+    # On CPUs with AMX, -march=native compiles llama.cpp's AMX matmuls, and this version's die
+    # with SIGILL on their first tile instruction (measured on a Xeon with amx_int8: every model
+    # load; upstream's fix, llama.cpp PR 26954, requests the tile permission per thread and keeps
+    # the tile configuration in memory). The build leaves AMX out there, so the peer runs its
+    # AVX-512/VNNI kernels; LLAMACPP_AMX=1 builds it in anyway.
+    if grep -qw amx_int8 /proc/cpuinfo 2>/dev/null && [ "${LLAMACPP_AMX:-0}" != 1 ]; then
+        local no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+        native="$native -DCMAKE_C_FLAGS='$no_amx' -DCMAKE_CXX_FLAGS='$no_amx'"
+        echo "llama.cpp: AMX left out of the build (this version faults on it; LLAMACPP_AMX=1 to keep it)"
+    fi
+    CMAKE_ARGS="$native ${CMAKE_ARGS:-}" \
         nice -n 19 "$venv/bin/pip" install --no-cache-dir --no-binary llama-cpp-python \
         "llama-cpp-python==$LLAMACPP_VERSION"
     "$venv/bin/python" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
