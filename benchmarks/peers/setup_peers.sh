@@ -27,7 +27,7 @@ setup_llamacpp() {
     local native="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF"
     # On CPUs with AMX, -march=native compiles llama.cpp's AMX matmuls, and this version's die
     # with SIGILL on their first tile instruction (measured on a Xeon with amx_int8: every model
-    # load; upstream's fix, llama.cpp PR 26954, requests the tile permission per thread and keeps
+    # load; the fix proposed upstream, llama.cpp PR 26954, requests the tile permission per thread and keeps
     # the tile configuration in memory). The build leaves AMX out there, so the peer runs its
     # AVX-512/VNNI kernels; LLAMACPP_AMX=1 builds it in anyway.
     if grep -qw amx_int8 /proc/cpuinfo 2>/dev/null && [ "${LLAMACPP_AMX:-0}" != 1 ]; then
