@@ -171,11 +171,11 @@ def test_engine_tokens_equal_the_torch_path_over_the_same_pool(tiny_models, kind
         monkeypatch.setattr(attention, name, lambda *a, **k: None)
     monkeypatch.setattr(DecodePlan, "applies", staticmethod(lambda h, meta: False))
     slow = [_generate(loaded, kv_dtype, p) for p in (batch, single)]
-    # The paths round the same fp32 K/V into the pool, but those fp32 values can differ by an ulp
-    # (other kernels, other orders), and where that flips a rounding the stored value moves by one
-    # unit of the pool's dtype: bf16's unit is 8x fp16's (8 bits of mantissa against 11), and so is
-    # the tolerance. (Measured on a Xeon with MKL's Intel kernels: 3.7e-4 on bf16; each path is
-    # 1.5e-2 from the fp32 pool's logprobs.)
+    # The paths round fp32 K/V into the pool the same way (to nearest even), but the fp32 values
+    # they compute can differ by an ulp (other kernels, other orders), and where that flips a
+    # rounding the stored value moves by one unit of the pool's dtype: bf16's unit is 8x fp16's
+    # (8 bits of mantissa against 11), and so is the tolerance. (On an Intel Xeon: 3.7e-4 on
+    # bf16, where each path is 1.5e-2 from the fp32 pool's logprobs.)
     tol = {"fp16": 1e-4, "bf16": 8e-4}[kv_dtype]
     for (fast_tokens, fast_lp), (slow_tokens, slow_lp) in zip(fast, slow):
         assert fast_tokens == slow_tokens
