@@ -26,9 +26,9 @@ setup_llamacpp() {
     # release builds do. LLAVA_BUILD=OFF skips the multimodal library the benchmark never uses.
     local native="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF"
     # On CPUs with AMX, -march=native compiles llama.cpp's AMX matmuls, and this version's die
-    # with SIGILL on their first tile instruction (measured on a Xeon with amx_int8: every model
-    # load; the fix proposed upstream, llama.cpp PR 26954, requests the tile permission per thread and keeps
-    # the tile configuration in memory). The build leaves AMX out there, so the peer runs its
+    # with SIGILL on their first tile instruction (a Xeon with amx_int8: every model load; the fix
+    # proposed upstream, llama.cpp PR 26954, asks the tile permission per thread and keeps the
+    # tile configuration in memory). The build leaves AMX out there, so the peer runs its
     # AVX-512/VNNI kernels; LLAMACPP_AMX=1 builds it in anyway.
     if grep -qw amx_int8 /proc/cpuinfo 2>/dev/null && [ "${LLAMACPP_AMX:-0}" != 1 ]; then
         local no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
