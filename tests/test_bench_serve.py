@@ -311,7 +311,7 @@ def test_whole_request_timeout_is_a_failure(fake):
 def test_goodput_counts_only_requests_meeting_slos(fake):
     url, state = fake
     # Half the arrivals wait 2 s for their first chunk, the others 0.04 s: a 1 s SLO splits them
-    # with room for a loaded host (a 0.4 s wait against 250 ms once failed while another job ran).
+    # with room for a busy host, where a 0.4 s wait against 250 ms can misclassify the fast ones.
     state.slow_every, state.slow_first_delay = 2, 2.0
     results, duration = _run(url, _requests(8, output_len=3))
     s = summarize_run(results, duration, math.inf, slo=SLO(ttft_ms=1000))
