@@ -29,8 +29,9 @@ class BambaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.pre_ff_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, cos_sin, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.input_layernorm(h)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin, kv_cache: KVCache,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        h, x = self.input_layernorm.add_and_norm(residual, x)
         if self.is_mamba:
             if meta is None or meta.recurrent is None:
                 raise ValueError("a Mamba layer needs the step's recurrent metadata (the engine's state pool)")
@@ -38,7 +39,7 @@ class BambaDecoderLayer(nn.Module):
         else:
             a = self.self_attn(x, cos_sin, kv_cache, meta)
         h, x = self.pre_ff_layernorm.add_and_norm(h, a)
-        return h + self.feed_forward(x)
+        return self.feed_forward(x), h
 
 
 class BambaForCausalLM(CausalLM):

@@ -15,6 +15,18 @@ from kvserve.model.config import ModelConfig
 from kvserve.model.layers import PackedMatmul, RMSNorm, RotaryEmbedding
 
 
+def residual_sum(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """The hidden state a (x, residual) pair between decoder layers stands for."""
+    return x if residual is None else residual + x
+
+
+def run_layer(layer: nn.Module, h: torch.Tensor, cos_sin, kv_cache: KVCache | None,
+              meta: AttentionMetadata | None) -> torch.Tensor:
+    """A decoder layer as a map of hidden states h [T, hidden] -> [T, hidden] (layer-by-layer
+    calibration runs blocks this way)."""
+    return residual_sum(*layer(h, None, cos_sin, kv_cache, meta))
+
+
 class CausalLM(nn.Module):
     layer_cls: type[nn.Module]
     gemma_norm: bool = False  # RMSNorm weights stored as (w - 1), applied as (1 + w)
@@ -60,22 +72,29 @@ class CausalLM(nn.Module):
         `num_layers` < all: early exit (the final norm applies to that layer's output).
         `keep`: the last layer run writes K/V for every row and computes the rest for the kept
         rows only (a layer class with `takes_kept_rows`; others run whole and the rows are picked
-        after)."""
+        after).
+
+        The residual stream travels between layers as a pair: a layer takes (x, residual), its
+        input being residual + x (residual None: x alone), and returns the next pair, so each
+        residual add happens inside the norm that follows it (vLLM's scheme: one kernel on CUDA
+        instead of two)."""
         h = self.embed(input_ids)
         cos_sin = self.rope_tables(positions, h.dtype)
         layers = self.layers[:num_layers]
+        residual = None
         for i, layer in enumerate(layers):
             cs = cos_sin.get(self.config.layer_types[i])  # None for a Mamba layer (no rotary)
             if keep is not None and i == len(layers) - 1 and getattr(layer, "takes_kept_rows", False):
-                h = layer(h, cs, kv_cache, meta, keep=keep)
+                h, residual = layer(h, residual, cs, kv_cache, meta, keep=keep)
                 if h.shape[0] == 0:
                     return h
                 keep = None  # done
             else:
-                h = layer(h, cs, kv_cache, meta)
+                h, residual = layer(h, residual, cs, kv_cache, meta)
         if keep is not None:
             h = h.index_select(0, keep.rows)
-        return h if h.shape[0] == 0 else self.norm(h)
+            residual = None if residual is None else residual.index_select(0, keep.rows)
+        return h if h.shape[0] == 0 else self.norm.add_and_norm(residual, h)[1]
 
     def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """(cos, sin) at `positions` for each layer type's rotary table."""
@@ -87,9 +106,10 @@ class CausalLM(nn.Module):
         context."""
         h = self.embed(input_ids)
         cos_sin = self.rope_tables(positions, h.dtype)
+        residual = None
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos_sin.get(self.config.layer_types[i]), None, None)
-        return self.norm(h)
+            h, residual = layer(h, residual, cos_sin.get(self.config.layer_types[i]), None, None)
+        return self.norm.add_and_norm(residual, h)[1]
 
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab], fp32 unless upcast=False (then the model's

@@ -22,9 +22,11 @@ class DeepseekDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, cos_sin, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos_sin, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin, kv_cache: KVCache,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        h, x = self.input_layernorm.add_and_norm(residual, x)
+        h, x = self.post_attention_layernorm.add_and_norm(h, self.self_attn(x, cos_sin, kv_cache, meta))
+        return self.mlp(x), h
 
 
 class DeepseekForCausalLM(CausalLM):

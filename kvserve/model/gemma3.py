@@ -23,15 +23,17 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset=True)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset=True)
 
-    def forward(self, h: torch.Tensor, cos_sin, kv_cache: KVCache, meta: AttentionMetadata,
-                keep: KeptRows | None = None) -> torch.Tensor:
-        a, h = self.self_attn.with_residual(self.input_layernorm(h), h, cos_sin, kv_cache, meta, keep)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin, kv_cache: KVCache,
+                meta: AttentionMetadata, keep: KeptRows | None = None) -> tuple[torch.Tensor, None]:
+        h, x = self.input_layernorm.add_and_norm(residual, x)
+        a, h = self.self_attn.with_residual(x, h, cos_sin, kv_cache, meta, keep)
         if a.shape[0] == 0:  # no kept rows: the K/V write was all
-            return a
+            return a, None
         # h + norm(a), and the pre-feedforward norm of that, in one kernel call
         h, x = self.post_attention_layernorm.add_to(h, a, then=self.pre_feedforward_layernorm)
         m = self.mlp(x)
-        return self.post_feedforward_layernorm.add_to(h, m)
+        # The sandwich norm's add closes the layer's residual stream itself (one kernel).
+        return self.post_feedforward_layernorm.add_to(h, m), None
 
 
 class Gemma3ForCausalLM(CausalLM):

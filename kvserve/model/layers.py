@@ -76,8 +76,11 @@ class RMSNorm(nn.Module):
         h = residual + self(x)
         return h if then is None else (h, then(h))
 
-    def add_and_norm(self, residual: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pre-norm residual step: h = residual + x, and self(h); CUDA rows in one kernel."""
+    def add_and_norm(self, residual: torch.Tensor | None, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pre-norm residual step: h = residual + x (x itself where residual is None), and
+        self(h); CUDA rows in one kernel."""
+        if residual is None:
+            return x, self(x)
         if x.is_cuda:
             y = residual_norm_rows(x, residual, self.eps, self.offset, None, self.weight)
             if y is not None:
@@ -145,11 +148,14 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, cfg: RopeConfig, head_dim: int):
         super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(cfg, head_dim), persistent=False)
+        inv_freq = rope_inv_freq(cfg, head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # Both halves' frequencies [rotary_dim]: positions times this is cat(freqs, freqs) in one op
+        # (one kernel a step on CUDA where the cast, product and cat were three).
+        self.register_buffer("inv_freq_twice", torch.cat((inv_freq, inv_freq)), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
+        emb = positions[:, None] * self.inv_freq_twice  # fp32(position) * f, each product rounded once
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 

@@ -23,13 +23,15 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, cos_sin, kv_cache: KVCache, meta: AttentionMetadata,
-                keep: KeptRows | None = None) -> torch.Tensor:
-        a, h = self.self_attn.with_residual(self.input_layernorm(h), h, cos_sin, kv_cache, meta, keep)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin, kv_cache: KVCache,
+                meta: AttentionMetadata, keep: KeptRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        # The layer's input is residual + x; the add is left to the next norm (one kernel on CUDA).
+        residual, x = self.input_layernorm.add_and_norm(residual, x)
+        a, residual = self.self_attn.with_residual(x, residual, cos_sin, kv_cache, meta, keep)
         if a.shape[0] == 0:  # no kept rows: the K/V write was all
-            return a
-        h, x = self.post_attention_layernorm.add_and_norm(h, a)  # h + a, and its norm
-        return h + self.mlp(x)
+            return a, a
+        residual, x = self.post_attention_layernorm.add_and_norm(residual, a)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(CausalLM):

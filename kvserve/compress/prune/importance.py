@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from kvserve.model.base import CausalLM
+from kvserve.model.base import CausalLM, residual_sum
 from kvserve.model.layers import RMSNorm
 from kvserve.tools.eval.windows import window_hidden
 
@@ -131,7 +131,9 @@ class _Collector:
 
     def _layer_hook(self, i: int):
         def hook(_mod, args, out):
-            cos = torch.nn.functional.cosine_similarity(args[0].float(), out.float(), dim=-1)  # [b*l]
+            # A layer takes and returns the residual stream as an (x, residual) pair.
+            block_in, block_out = residual_sum(args[0], args[1]), residual_sum(*out)
+            cos = torch.nn.functional.cosine_similarity(block_in.float(), block_out.float(), dim=-1)  # [b*l]
             self.layer_sum[i] += (1.0 - cos.double()).sum()
         return hook
 

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from kvserve.model.attention import AttentionMetadata
+from kvserve.model.base import run_layer
 from kvserve.paths import WIKITEXT2_VALID, wikitext2_file
 from kvserve.tools.eval.windows import NO_SLOTS, WindowAttention, tokenize_file
 from kvserve.weights.spec import LayerStats
@@ -97,7 +98,7 @@ def run_windows(fn: Callable[[torch.Tensor, AttentionMetadata], torch.Tensor], m
 
 def run_block(model: nn.Module, block: nn.Module, x: torch.Tensor, seqlen: int, batch_size: int = 8) -> torch.Tensor:
     """A decoder layer alone on x [n * seqlen, hidden] (n independent windows) -> its outputs."""
-    return run_windows(lambda h, meta: block(h, None, None, meta), model, x, seqlen, batch_size)
+    return run_windows(lambda h, meta: run_layer(block, h, None, None, meta), model, x, seqlen, batch_size)
 
 
 class _Accumulator:

@@ -40,6 +40,7 @@ from kvserve.compress.quant.apply import (
     linear_layers,
 )
 from kvserve.compress.quant.calibrate import Calibrator, run_block, run_windows
+from kvserve.model.base import run_layer
 from kvserve.compress.train import DistillLoss, lm_loss, train
 from kvserve.weights.linear import QuantLinear
 from kvserve.weights.rtn import compute_qparams, dequantize, quantize, quantize_rtn
@@ -157,7 +158,8 @@ def qat_blockwise(model: nn.Module, windows: torch.Tensor, spec: QuantSpec, *, e
             for a in torch.randperm(n, generator=g).split(batch_size):
                 rows = (a[:, None] * seqlen + torch.arange(seqlen)).reshape(-1)
                 opt.zero_grad(set_to_none=True)
-                out = run_windows(lambda h, meta: block(h, None, None, meta), model, x[rows], seqlen, len(a))
+                out = run_windows(lambda h, meta: run_layer(block, h, None, None, meta), model, x[rows], seqlen,
+                                  len(a))
                 torch.nn.functional.mse_loss(out, y[rows]).backward()
                 opt.step()
         mse_after = _block_mse(model, block, x, y, seqlen, batch_size)
