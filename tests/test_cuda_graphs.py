@@ -24,6 +24,38 @@ def test_buckets():
     assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]
 
 
+def test_multi_step_buffers_hold_every_steps_positions_slots_and_lengths():
+    """The host writes all K steps' inputs: row i at position start + min(k, steps_i - 1) in step
+    k, its slot from its own table until its last step and the padding page's after, its length
+    position + 1; padding rows sit at position 0 on the padding page. Checked against a plain
+    per-row loop over two KV layer groups with different tables."""
+    from types import SimpleNamespace
+
+    import torch
+
+    bs, pad, K, B = 4, 99, 3, 4
+    model = torch.nn.Linear(1, 1)
+    graphs = DecodeGraphs(model, SimpleNamespace(num_groups=2), block_size=bs, max_model_len=32, max_num_seqs=B,
+                          pad_block=pad, num_steps=K)
+    g = graphs._capture(B, K)
+    rows = [SimpleNamespace(token_ids=[11], start_pos=6, tables=[[5, 7, 2], [8, 3, 9]]),  # 3 steps, crosses a block
+            SimpleNamespace(token_ids=[12], start_pos=0, tables=[[4], [6]])]  # 1 step, then idle
+    steps = [3, 1]
+    graphs._fill(g, rows, steps)
+    longs = g.host_longs.view(-1)[B:].view(K, 3, B)  # per step: positions, slots of group 0, group 1
+    lens = g.host_ints[:K * B].view(K, B)
+    assert g.host_longs[0].tolist() == [11, 12, 0, 0]
+    for k in range(K):
+        for i in range(B):
+            real = i < len(rows)
+            pos = rows[i].start_pos + min(k, steps[i] - 1) if real else 0
+            assert longs[k, 0, i] == pos and lens[k, i] == pos + 1, (k, i)
+            for grp in range(2):
+                active = real and k < steps[i]
+                want = rows[i].tables[grp][pos // bs] * bs + pos % bs if active else pad * bs
+                assert longs[k, 1 + grp, i] == want, (k, i, grp)
+
+
 @pytest.fixture
 def graphs_on_cpu(monkeypatch):
     """Engines built inside use the graph runner on the CPU; yields the list of replayed step sizes."""

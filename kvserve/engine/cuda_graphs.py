@@ -14,9 +14,10 @@ a fixed grid (kernels/triton_attention.py), so one graph serves every context le
 The graph ends with the logits and their argmax: a greedy step copies back only the tokens.
 
 Multi-step decoding (`num_scheduler_steps` K > 1, vLLM's multi-step scheduling): a second graph
-per bucket runs K greedy steps back to back, each step's argmax the next step's token, its
-positions, slots and lengths derived on the device from the first step's (every slot of the K
-positions was reserved by the scheduler). The host schedules, fills the buffers, syncs and
+per bucket runs K greedy steps back to back, each step's argmax the next step's token. The host
+writes every step's positions, slots and lengths into the buffers up front (the scheduler
+reserved the slots of all K positions), so a step inside the graph only reads views of them: no
+index arithmetic between the layers' kernels. The host schedules, fills the buffers, syncs and
 detokenizes once per K tokens instead of once per token, so its time leaves batch-1 decode's
 critical path. A row reserved fewer steps (`steps`, near max_tokens) goes idle after them: it
 writes into the padding page and its tokens are dropped.
@@ -30,6 +31,7 @@ import logging
 from dataclasses import dataclass
 from typing import Sequence as Seq
 
+import numpy as np
 import torch
 
 from kvserve.model.attention import AttentionMetadata, DecodeBatch, KVCache
@@ -50,10 +52,12 @@ class _Graph:
     size: int  # B, the bucket
     steps: int  # decode steps per replay: 1, or K for a multi-step graph
     graph: torch.cuda.CUDAGraph | None  # None off CUDA: the step runs eagerly
-    # [3 + G, B] int64 on the device: token ids, positions, slots per group, then the steps
-    # each row takes (multi-step graphs: 1..K, padding rows 1)
+    # [1 + K * (1 + G), B] int64 on the device: token ids, then per step its positions and its
+    # slots per group
     longs: torch.Tensor
-    ints: torch.Tensor  # [B + G * B * W] int32 on the device: lengths, then block tables [G, B, W]
+    # [K * B + G * B * W] int32 on the device: each step's context lengths, then the block
+    # tables [G, B, W]
+    ints: torch.Tensor
     host_longs: torch.Tensor  # pinned mirrors of the two
     host_ints: torch.Tensor
     logits: torch.Tensor | None  # [B, vocab] outputs of the last replay (single-step graphs)
@@ -79,6 +83,9 @@ class DecodeGraphs:
         self.graphs: dict[int, _Graph] = {}
         self.multi: dict[int, _Graph] = {}  # the K-step graphs, per bucket
         self.pool = None
+        # arange(B) and B zeros (the first attended position without a window) per bucket, made
+        # before its capture: no kernel in the graph for them
+        self._rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def capture(self) -> None:
         """Capture every bucket, largest first (the smaller ones reuse its memory pool)."""
@@ -117,8 +124,7 @@ class DecodeGraphs:
             raise ValueError(f"a multi-step replay takes 1..{self.num_steps} steps a row, the longest "
                              f"{self.num_steps}; got {list(steps)}")
         g = self.multi[self._bucket(n)]
-        self._fill(g, inputs)
-        g.host_longs.numpy()[-1, :n] = steps
+        self._fill(g, inputs, steps)
         if g.graph is None:
             g.tokens = self._steps(g.longs, g.ints, g.size, g.steps)
         else:
@@ -136,76 +142,80 @@ class DecodeGraphs:
         g.copied.record()
         g.graph.replay()
 
-    def _fill(self, g: _Graph, inputs: Seq) -> None:
-        """Write the step into the pinned buffers. Table columns past a sequence's blocks keep
-        stale values: attention never reads past its length."""
+    def _fill(self, g: _Graph, inputs: Seq, steps: Seq[int] | None = None) -> None:
+        """Write the step into the pinned buffers: row i's token, and for each of the graph's
+        steps its position, slots and context length, row i idle (its last position again, a
+        padding-page slot) after its steps[i] (default 1). Table columns past a sequence's blocks
+        keep stale values: no step reads past its reserved positions."""
         if g.copied is not None:
             g.copied.synchronize()  # the last step's copies have read the buffers
         longs, ints = g.host_longs.numpy(), g.host_ints.numpy()
-        B, bs, G, W = longs.shape[1], self.block_size, self.groups, self.width
-        tables = ints[B:].reshape(G, B, W)
+        B, K, bs, G, W = g.size, g.steps, self.block_size, self.groups, self.width
+        tables = ints[K * B:].reshape(G, B, W)
+        n = len(inputs)
+        start = np.zeros(B, dtype=np.int64)  # padding rows: position 0 on their own page
+        last = np.zeros(B, dtype=np.int64)  # the row's last step, 0-based
+        longs[0] = 0
         for i, inp in enumerate(inputs):
-            pos = inp.start_pos
             longs[0, i] = inp.token_ids[0]
-            longs[1, i] = pos
-            ints[i] = pos + 1
-            blk, off = divmod(pos, bs)
+            start[i] = inp.start_pos
             for grp, table in enumerate(inp.tables):
                 used = min(len(table), W)
                 tables[grp, i, :used] = table[:used]
-                longs[2 + grp, i] = table[blk] * bs + off
-        n = len(inputs)
-        longs[-1, :] = 1  # one step a row (run_steps overwrites the real rows')
-        if n < B:  # padding rows: their own page, a context of one position
-            longs[0, n:] = 0
-            longs[1, n:] = 0
-            longs[2:2 + G, n:] = self.pad_block * bs
-            ints[n:B] = 1
-            tables[:, n:, 0] = self.pad_block
+        if steps is not None:
+            last[:n] = np.asarray(steps, dtype=np.int64) - 1
+        tables[:, n:, 0] = self.pad_block
+        step = np.arange(K)[:, None]
+        pos = start + np.minimum(step, last)  # [K, B]
+        pages = np.take_along_axis(tables, np.broadcast_to((pos // bs).T, (G, B, K)), axis=2)  # [G, B, K]
+        slots = np.where((step <= last)[:, None, :], pages.transpose(2, 0, 1) * bs + (pos % bs)[:, None, :],
+                         self.pad_block * bs)  # [K, G, B]
+        per_step = longs[1:].reshape(K, 1 + G, B)
+        per_step[:, 0] = pos
+        per_step[:, 1:] = slots
+        ints[:K * B] = (pos + 1).reshape(-1)
 
     def _metadata(self, slots: Seq[torch.Tensor], lens: torch.Tensor, tables: torch.Tensor,
                   B: int) -> AttentionMetadata:
         """Attention metadata over static tensors: slots [B] per group, lens [B] int32, tables
         [G, B, W] (new objects: DecodeBatch caches tensors derived from the lengths, which must be
         computed inside the graph)."""
-        rows = torch.arange(B, device=self.device)
+        if B not in self._rows:  # (the warm-up run before each capture makes them)
+            self._rows[B] = (torch.arange(B, device=self.device), torch.zeros(B, dtype=torch.int32, device=self.device))
+        rows, zeros = self._rows[B]
         metas = [AttentionMetadata(slot_mapping=slots[grp], seqs=[],
                                    decode=DecodeBatch(rows=rows, block_tables=tables[grp], lens=lens,
-                                                      block_size=self.block_size, max_len=None))
+                                                      block_size=self.block_size, max_len=None, _starts={None: zeros}))
                  for grp in range(self.groups)]
         if self.groups == 1:
             return metas[0]
         first = metas[0]
         return AttentionMetadata(slot_mapping=first.slot_mapping, seqs=[], decode=first.decode, groups=metas)
 
-    def _tables(self, ints: torch.Tensor, B: int) -> torch.Tensor:
-        return ints[B:].view(self.groups, B, self.width)
-
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.model(tokens, positions, self.kv_cache, meta)
         return self.model.compute_logits(hidden, upcast=False)
 
+    def _step_inputs(self, longs: torch.Tensor, ints: torch.Tensor, B: int, i: int):
+        """Step i's positions [B] and attention metadata, views of the static tensors."""
+        G = self.groups
+        K = (longs.shape[0] - 1) // (1 + G)
+        per_step = longs[1:].view(K, 1 + G, B)[i]  # positions, then the slots of each group
+        tables = ints[K * B:].view(G, B, self.width)
+        return per_step[0], self._metadata(list(per_step[1:]), ints[i * B:(i + 1) * B], tables, B)
+
     def _step(self, longs: torch.Tensor, ints: torch.Tensor, B: int) -> tuple[torch.Tensor, torch.Tensor]:
-        slots = [longs[2 + grp] for grp in range(self.groups)]
-        logits = self._forward(longs[0], longs[1], self._metadata(slots, ints[:B], self._tables(ints, B), B))
+        positions, meta = self._step_inputs(longs, ints, B, 0)
+        logits = self._forward(longs[0], positions, meta)
         return logits, logits.argmax(dim=-1)
 
     def _steps(self, longs: torch.Tensor, ints: torch.Tensor, B: int, K: int) -> torch.Tensor:
-        """K greedy steps from the first step's inputs -> tokens [K, B]. Step i feeds position
-        start + min(i, last) (last = the row's steps - 1); a row past its last step writes its K/V
-        into the padding page's first slot and reads its context as of its last step."""
-        bs, tables = self.block_size, self._tables(ints, B)
-        start, last = longs[1], longs[-1] - 1
-        pad_slot = torch.full_like(start, self.pad_block * bs)
+        """K greedy steps from the first step's tokens -> tokens [K, B], each step's argmax the
+        next step's input."""
         token, out = longs[0], []
         for i in range(K):
-            pos = start + last.clamp(max=i)
-            blk = (pos // bs).unsqueeze(0).expand(self.groups, B).unsqueeze(-1)
-            pages = tables.gather(2, blk).squeeze(-1).long()  # [G, B]
-            active = last >= i
-            slots = [torch.where(active, pages[grp] * bs + pos % bs, pad_slot) for grp in range(self.groups)]
-            logits = self._forward(token, pos, self._metadata(slots, (pos + 1).to(torch.int32), tables, B))
-            token = logits.argmax(dim=-1)
+            positions, meta = self._step_inputs(longs, ints, B, i)
+            token = self._forward(token, positions, meta).argmax(dim=-1)
             out.append(token)
         return torch.stack(out)
 
@@ -218,8 +228,8 @@ class DecodeGraphs:
 
     def _capture(self, B: int, K: int) -> _Graph:
         G, W = self.groups, self.width
-        host_longs = torch.zeros(3 + G, B, dtype=torch.int64)
-        host_ints = torch.zeros(B + G * B * W, dtype=torch.int32)
+        host_longs = torch.zeros(1 + K * (1 + G), B, dtype=torch.int64)
+        host_ints = torch.zeros(K * B + G * B * W, dtype=torch.int32)
         if not self.cuda:  # the eager stand-in: the static tensors are the host buffers
             graph = _Graph(B, K, None, host_longs, host_ints, host_longs, host_ints, None, None, None)
             self._fill(graph, [])

@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
+from torch.profiler import ProfilerActivity, profile
 
 from kvserve import LLM, SamplingParams
 from kvserve.argtypes import positive_float, positive_int
@@ -216,6 +217,30 @@ def graph_replay_ms(llm: LLM, device: str, replays: int = 200) -> float | None:
     return 1e3 * (time.perf_counter() - t) / replays
 
 
+def graph_kernels(llm: LLM, device: str, multi: bool = False) -> dict | None:
+    """Kernels one replay of the batch-1 graph launches (the K-step graph's per step with
+    `multi`) and their summed GPU time, from the profiler; None off CUDA or where the profiler
+    sees no kernels inside graphs. Each fusion shows here as kernels fewer a step."""
+    graphs = llm.engine.runner.graphs
+    if graphs is None or device != "cuda":
+        return None
+    g = (graphs.multi if multi else graphs.graphs)[1].graph
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            g.replay()
+            sync(device)
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                   and not e.name.startswith(("Memcpy", "Memset"))]
+    except Exception as exc:  # a profiler without CUPTI: the figure is missing, the check goes on
+        print(f"  (graph kernels not counted: {exc!r})", flush=True)
+        return None
+    if not kernels:
+        return None
+    steps = graphs.num_steps if multi else 1
+    return {"kernels_per_step": len(kernels) / steps,
+            "kernel_us_per_step": sum(e.time_range.elapsed_us() for e in kernels) / steps}
+
+
 def decode_only_speed(llm: LLM, vocab: int, bos: int | None, repeats: int, output_len: int) -> dict:
     wl = make_workload(repeats + 1, (512, 512), (1, 1), vocab, bos, 1)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
@@ -301,6 +326,7 @@ def measure_speed(source, hf_folder: Path | None, args, report: ModelReport, off
     sp["kvserve"] = kvserve_speed(llm, cfg.vocab_size, cfg.bos_token_id, args.device, args.repeats, offline,
                                   args.output_len)
     sp["kvserve"]["graph_step_ms"] = graph_replay_ms(llm, args.device)
+    sp["kvserve"]["graph_kernels"] = graph_kernels(llm, args.device)
     print(f"  kvserve {args.speed_dtype}: {fmt(sp['kvserve'])}", flush=True)
     graphs = llm.engine.runner.graphs is not None
     del llm
@@ -311,6 +337,7 @@ def measure_speed(source, hf_folder: Path | None, args, report: ModelReport, off
         sp["kvserve_multi_step"] = kvserve_speed(multi, cfg.vocab_size, cfg.bos_token_id, args.device, args.repeats,
                                                  offline, args.output_len)
         sp["kvserve_multi_step"]["num_scheduler_steps"] = args.num_scheduler_steps
+        sp["kvserve_multi_step"]["graph_kernels"] = graph_kernels(multi, args.device, multi=True)
         print(f"  kvserve, {args.num_scheduler_steps}-step runs: {fmt(sp['kvserve_multi_step'])}", flush=True)
         del multi
         free(args.device)
@@ -389,7 +416,9 @@ def load_references(path: Path, key: str) -> list[Reference]:
 
 # ---------------------------------------------------------------- output
 def fmt(d: dict) -> str:
-    return ", ".join(f"{k} {v:.2f}" for k, v in d.items() if isinstance(v, float))
+    """The float figures of d, and of the dicts inside it."""
+    flat = {f"{k}.{k2}": v2 for k, v in d.items() if isinstance(v, dict) for k2, v2 in v.items()}
+    return ", ".join(f"{k} {v:.2f}" for k, v in {**d, **flat}.items() if isinstance(v, float))
 
 
 def print_greedy(label: str, rows: list[Comparison]) -> None:
