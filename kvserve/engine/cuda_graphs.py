@@ -182,11 +182,13 @@ class DecodeGraphs:
         [G, B, W] (new objects: DecodeBatch caches tensors derived from the lengths, which must be
         computed inside the graph)."""
         if B not in self._rows:  # (the warm-up run before each capture makes them)
-            self._rows[B] = (torch.arange(B, device=self.device), torch.zeros(B, dtype=torch.int32, device=self.device))
+            self._rows[B] = (torch.arange(B, device=self.device),
+                             torch.zeros(B, dtype=torch.int32, device=self.device))
         rows, zeros = self._rows[B]
         metas = [AttentionMetadata(slot_mapping=slots[grp], seqs=[],
                                    decode=DecodeBatch(rows=rows, block_tables=tables[grp], lens=lens,
-                                                      block_size=self.block_size, max_len=None, _starts={None: zeros}))
+                                                      block_size=self.block_size, max_len=None,
+                                                      _starts={None: zeros}))
                  for grp in range(self.groups)]
         if self.groups == 1:
             return metas[0]

@@ -40,8 +40,8 @@ from kvserve.compress.quant.apply import (
     linear_layers,
 )
 from kvserve.compress.quant.calibrate import Calibrator, run_block, run_windows
-from kvserve.model.base import run_layer
 from kvserve.compress.train import DistillLoss, lm_loss, train
+from kvserve.model.base import run_layer
 from kvserve.weights.linear import QuantLinear
 from kvserve.weights.rtn import compute_qparams, dequantize, quantize, quantize_rtn
 from kvserve.weights.spec import QuantSpec
