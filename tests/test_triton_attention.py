@@ -57,6 +57,7 @@ DECODE_CASES = [  # (heads, kv heads, head_dim, block size, lens, window, pool d
     (4, 1, 256, 16, [300, 3], 64, torch.float32),  # MQA, Gemma's head_dim, a window with released blocks
     (6, 2, 40, 8, [90, 41, 7, 250], 50, torch.float32),  # head_dim not a power of two, small blocks
     (4, 1, 64, 16, [130, 64, 1], None, torch.bfloat16),  # a bf16 pool and query
+    (8, 2, 128, 16, [100, 7], None, torch.bfloat16),  # Llama-8B / Qwen3's head_dim (its own tiles)
 ]
 
 
@@ -100,6 +101,7 @@ PREFILL_CASES = [  # (heads, kv heads, head_dim, first_kv, first_q, T, window)
     (4, 1, 256, 0, 0, 70, 16),  # MQA, Gemma's head_dim, a window shorter than the prompt
     (6, 2, 40, 23, 60, 33, 30),  # a window whose start released the first positions (first_kv > 0)
     (4, 2, 64, 0, 0, 1, None),  # a single query
+    (4, 2, 128, 0, 10, 40, None),  # head_dim 128 (its own tiles), a chunk after cached positions
 ]
 
 

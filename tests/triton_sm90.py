@@ -5,7 +5,9 @@ accepts programs that the compiler rejects (shapes under tl.dot's minimum, casts
 misuse). Here the real wrappers in kvserve/kernels are called with CPU tensors laid out as the
 engine lays them out (q, k and v as views of one fused projection, Llama-1B and Gemma 3 shapes,
 bf16 and fp32), while Triton's driver reports an sm_90 target and every launch only compiles:
-Triton's own compiler and the ptxas it ships produce each cubin, nothing runs.
+Triton's own compiler and the ptxas it ships produce each cubin, nothing runs. `ptxas -v` on each
+kernel's PTX gives its registers and spilled bytes a thread: a tile configuration that spills
+kilobytes shows here before it costs a GPU run.
 
 Run as a script, in a process whose TRITON_INTERPRET is unset before Triton is imported
 (tests/test_triton_compile.py does); prints one line per compiled kernel and exits 1 on the first
@@ -13,13 +15,18 @@ kernel that fails to compile."""
 from __future__ import annotations
 
 import os
+import re
+import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 
 os.environ.pop("TRITON_INTERPRET", None)  # read when the kernels are defined: before their import
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's kvserve
 
 import torch  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
@@ -42,8 +49,19 @@ class _CompileOnlyDriver:
         return torch.device("cpu")
 
 
-compiled: list[tuple[str, int]] = []
+compiled: list[tuple[str, int, int, int]] = []  # kernel, cubin bytes, registers, spilled bytes a thread
 _run = JITFunction.run
+
+
+def _registers(ptx: str) -> tuple[int, int]:
+    """(registers, spill-store bytes) a thread, from `ptxas -v` (the ptxas Triton compiles with)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        r = subprocess.run([get_ptxas(SM90.arch).path, f"-arch=sm_{SM90.arch}a", "-v", f.name, "-o", os.devnull],
+                           capture_output=True, text=True, check=True)
+    info = r.stderr + r.stdout
+    return int(re.search(r"Used (\d+) registers", info)[1]), int(re.search(r"(\d+) bytes spill stores", info)[1])
 
 
 def _compile_only(self, *args, grid, warmup, **kwargs):
@@ -51,7 +69,7 @@ def _compile_only(self, *args, grid, warmup, **kwargs):
     cubin = kernel.asm.get("cubin", b"")
     if not cubin:
         raise RuntimeError(f"{self.fn.__name__}: no cubin")
-    compiled.append((self.fn.__name__, len(cubin)))
+    compiled.append((self.fn.__name__, len(cubin), *_registers(kernel.asm["ptx"])))
     return kernel
 
 
@@ -103,7 +121,9 @@ def compile_shape(s: Shape, dtype: torch.dtype, T: int = 3, block_size: int = 16
     lens = torch.full((T,), 40, dtype=torch.int32)
     starts = torch.zeros(T, dtype=torch.int32)
     triton_attention.paged_decode(q, k_pool, v_pool, tables, starts, lens, block_size, D ** -0.5, parts=4)
-    triton_attention.paged_prefill(q, k_pool, v_pool, slots, 0, 0, s.window, D ** -0.5)
+    triton_attention.paged_prefill(q, k_pool, v_pool, slots, 0, 0, s.window, D ** -0.5)  # 16-query programs
+    chunk = torch.randn(40, H, D, dtype=dtype)
+    triton_attention.paged_prefill(chunk, k_pool, v_pool, torch.arange(40), 0, 0, s.window, D ** -0.5)  # 32-query
 
 
 # bf16 is the speed dtype on CUDA; fp32 runs the exactness check (the bundled model and Llama-1B).
@@ -120,8 +140,9 @@ def main() -> int:
         except Exception as exc:  # the failing kernel's compiler message is the point
             print(f"FAILED {shape.name} {dtype}: {type(exc).__name__}: {exc}", flush=True)
             return 1
-        for name, size in compiled[start:]:
-            print(f"{shape.name} {str(dtype).removeprefix('torch.')} {name}: cubin {size} bytes", flush=True)
+        for name, size, regs, spilled in compiled[start:]:
+            print(f"{shape.name} {str(dtype).removeprefix('torch.')} {name}: cubin {size} bytes, {regs} registers, "
+                  f"spills {spilled} bytes", flush=True)
     print(f"{len(compiled)} kernels compiled in {len(CASES)} cases", flush=True)
     return 0
 
