@@ -149,7 +149,6 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, cfg: RopeConfig, head_dim: int):
         super().__init__()
         inv_freq = rope_inv_freq(cfg, head_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
         # Both halves' frequencies [rotary_dim]: positions times this is cat(freqs, freqs) in one op
         # (one kernel a step on CUDA where the cast, product and cat were three).
         self.register_buffer("inv_freq_twice", torch.cat((inv_freq, inv_freq)), persistent=False)
