@@ -121,6 +121,7 @@ def compile_shape(s: Shape, dtype: torch.dtype, T: int = 3, block_size: int = 16
     lens = torch.full((T,), 40, dtype=torch.int32)
     starts = torch.zeros(T, dtype=torch.int32)
     triton_attention.paged_decode(q, k_pool, v_pool, tables, starts, lens, block_size, D ** -0.5, parts=4)
+    triton_attention.paged_decode(q, k_pool, v_pool, tables, starts, lens, block_size, D ** -0.5, parts=1)  # no merge
     triton_attention.paged_prefill(q, k_pool, v_pool, slots, 0, 0, s.window, D ** -0.5)  # 16-query programs
     chunk = torch.randn(40, H, D, dtype=dtype)
     triton_attention.paged_prefill(chunk, k_pool, v_pool, torch.arange(40), 0, 0, s.window, D ** -0.5)  # 32-query

@@ -6,7 +6,8 @@ Two kernels, the GPU counterparts of paged_attention.c and prefill_attention.c:
   part) and walks a contiguous part of that sequence's attended positions [start, len), scoring
   the G query heads that share the KV head against every K row (GQA/MQA without repeated K/V).
   The parts' (max, sum, weighted V) are merged by a second kernel (flash-decoding), so batch-1
-  decode spreads one context over many SMs. The number of parts is fixed per call and each
+  decode spreads one context over many SMs; with one part (a batch that fills the SMs alone)
+  the program writes the output itself and no merge runs. The number of parts is fixed per call and each
   program derives its range from `lens` in memory: a CUDA graph captured once replays for any
   context length.
 - `paged_prefill`: one sequence's chunk of queries against its context, read through its slots
@@ -50,15 +51,15 @@ def _softmax_step(s, v, acc, m, l):
 @triton.jit(do_not_specialize=["parts"])  # one compile for every part count
 def _decode_part_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, starts_ptr, lens_ptr,
-    part_out_ptr, part_m_ptr, part_l_ptr,
+    part_out_ptr, part_m_ptr, part_l_ptr, out_ptr,
     scale,
     stride_qb, stride_qh,
     stride_ks, stride_kh,
     stride_vs, stride_vh,
-    stride_tb, parts,
+    stride_tb, stride_ob, stride_oh, parts,
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, ONE_PART: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -93,11 +94,17 @@ def _decode_part_kernel(
         s = tl.where(ok[None, :], s, float("-inf"))
         v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=kv_ok, other=0.0)
         acc, m, l = _softmax_step(s, v.to(tl.float32), acc, m, l)
-    # Partials [B, H, parts, (D)]; an empty part leaves m = -inf, l = 0.
-    row = (b * H + heads) * parts + part
-    tl.store(part_m_ptr + row, m, mask=g_ok)
-    tl.store(part_l_ptr + row, l, mask=g_ok)
-    tl.store(part_out_ptr + row[:, None] * D + d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
+    gd_ok = g_ok[:, None] & d_ok[None, :]
+    if ONE_PART:  # the whole range was this program's: normalise and write the output itself
+        out = acc / tl.where(l > 0, l, 1.0)[:, None]
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=gd_ok)
+    else:
+        # Partials [B, H, parts, (D)]; an empty part leaves m = -inf, l = 0.
+        row = (b * H + heads) * parts + part
+        tl.store(part_m_ptr + row, m, mask=g_ok)
+        tl.store(part_l_ptr + row, l, mask=g_ok)
+        tl.store(part_out_ptr + row[:, None] * D + d[None, :], acc, mask=gd_ok)
 
 
 @triton.jit(do_not_specialize=["parts"])
@@ -236,18 +243,22 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ta
     out = torch.empty_like(q)
     if B == 0:
         return out
-    part_out = torch.empty(B * H * parts, D, dtype=torch.float32, device=q.device)
-    part_m = torch.empty(B * H * parts, dtype=torch.float32, device=q.device)
+    one_part = parts == 1  # (a large batch fills the SMs alone: no partials, no merge kernel)
+    rows = 0 if one_part else B * H * parts
+    part_out = torch.empty(rows, D, dtype=torch.float32, device=q.device)
+    part_m = torch.empty(rows, dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
     block_d = _pow2(D, 16)
     tiles = decode_tiles(D)
     _decode_part_kernel[(B, kvh, parts)](
-        q, k_pool, v_pool, tables, starts, lens, part_out, part_m, part_l, scale,
+        q, k_pool, v_pool, tables, starts, lens, part_out, part_m, part_l, out, scale,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-        tables.stride(0), parts, H=H, G=G, D=D, BLOCK_G=_pow2(G, 16), BLOCK_D=block_d, BLOCK_N=tiles.block_n,
-        BLOCK_SIZE=block_size, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-    _decode_merge_kernel[(B, H)](part_out, part_m, part_l, out, out.stride(0), out.stride(1), parts,
-                                 H=H, D=D, MAX_PARTS=MAX_PARTS, BLOCK_D=block_d)
+        tables.stride(0), out.stride(0), out.stride(1), parts, H=H, G=G, D=D, BLOCK_G=_pow2(G, 16),
+        BLOCK_D=block_d, BLOCK_N=tiles.block_n, BLOCK_SIZE=block_size, ONE_PART=one_part,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    if not one_part:
+        _decode_merge_kernel[(B, H)](part_out, part_m, part_l, out, out.stride(0), out.stride(1), parts,
+                                     H=H, D=D, MAX_PARTS=MAX_PARTS, BLOCK_D=block_d)
     return out
 
 
