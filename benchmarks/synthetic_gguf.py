@@ -21,6 +21,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from kvserve.loading.gguf_file import GGUFFile
 from kvserve.loading.loader import default_model_path
 
 # name: (hidden, intermediate, layers, heads, kv heads, head dim, tied embeddings, rope theta)
@@ -37,13 +38,12 @@ PEERS_PYTHON = Path(__file__).resolve().parent / "peers" / ".venv-llamacpp" / "b
 
 def tokenizer_fields(src: Path) -> list[tuple[str, object, gguf.GGUFValueType]]:
     """The tokenizer.* metadata of the bundled model's GGUF, to copy."""
-    r = gguf.GGUFReader(str(src))
+    r = GGUFFile(src)
     out = []
-    for key, f in r.fields.items():
+    for key, value in r.fields.items():
         if key.startswith("tokenizer.") and key != "tokenizer.chat_template":
-            vtype = f.types[0]
-            value = f.contents()
-            out.append((key, value, vtype if vtype != gguf.GGUFValueType.ARRAY else f.types[-1]))
+            vtype, elem = r.types[key]
+            out.append((key, value, vtype if elem is None else elem))
     return out
 
 

@@ -49,6 +49,14 @@ def hf_gemma(gemma_path):
 
 
 @pytest.fixture(scope="session")
+def gemma_gguf_reader(gemma_path):
+    """gguf-py's reader of the bundled file (~15 s to open): the oracle of kvserve's own."""
+    import gguf
+
+    return gguf.GGUFReader(str(gemma_path))
+
+
+@pytest.fixture(scope="session")
 def hf_gemma_tokenizer(gemma_path):
     from transformers import AutoTokenizer
 

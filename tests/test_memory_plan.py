@@ -53,11 +53,9 @@ def test_footprint_of_a_16bit_checkpoint_kept_in_16_bits(tmp_path):
         assert held < weight_footprint(tmp_path, kind, "auto", pack=True) < held + 8 * elements
 
 
-def test_gguf_blocks_footprint_is_the_files_tensor_bytes(gemma_path):
-    import gguf
-
-    elements, stored = file_tensors(gemma_path)  # the header scanned without building the metadata
-    reader = gguf.GGUFReader(str(gemma_path))
+def test_gguf_blocks_footprint_is_the_files_tensor_bytes(gemma_path, gemma_gguf_reader):
+    elements, stored = file_tensors(gemma_path)  # the header scanned without the metadata's arrays
+    reader = gemma_gguf_reader
     assert elements == sum(int(t.n_elements) for t in reader.tensors)
     assert stored == sum(int(t.n_bytes) for t in reader.tensors)
     assert weight_footprint(gemma_path, "gguf", torch.float32, pack=True) == stored

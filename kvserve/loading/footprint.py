@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
 import struct
 from pathlib import Path
 
-import gguf
 import torch
 
 from kvserve.loading.errors import ModelLoadError
+from kvserve.loading.gguf_file import GGUFFile
 from kvserve.loading.hf import read_hf_config
 from kvserve.loading.loader import AUTO, compute_dtype, keeps_16bit, resolve_dtype
 from kvserve.loading.quantized import read_quantization_config
@@ -81,54 +80,11 @@ def tensor_list(path: Path) -> list[tuple[str, tuple[int, ...], int]]:
     return out
 
 
-# GGUF metadata value types of fixed size (gguf.GGUFValueType numbers -> bytes); 8: string, 9: array
-_GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-
-
 def _gguf_tensors(path: Path) -> list[tuple[str, tuple[int, ...], int]]:
-    """(name, shape, bytes) of a GGUF's tensors from its header, skipping the metadata without
-    building it (gguf.GGUFReader makes an object of each of a 262k vocabulary's strings: hundreds
-    of MB at its peak, for numbers this needs none of)."""
-    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        if m[:4] != b"GGUF":
-            raise ValueError("no GGUF magic")
-        version, n_tensors, n_kv = struct.unpack_from("<IQQ", m, 4)
-        if version < 2:
-            raise ValueError(f"GGUF version {version} (1 is not read)")
-        pos = 24
-
-        def skip_value(kind: int, pos: int) -> int:
-            if kind == 8:
-                return pos + 8 + struct.unpack_from("<Q", m, pos)[0]
-            if kind == 9:
-                elem, count = struct.unpack_from("<IQ", m, pos)
-                pos += 12
-                if elem in _GGUF_SIZES:
-                    return pos + count * _GGUF_SIZES[elem]
-                for _ in range(count):
-                    pos = skip_value(elem, pos)
-                return pos
-            return pos + _GGUF_SIZES[kind]
-
-        for _ in range(n_kv):
-            pos += 8 + struct.unpack_from("<Q", m, pos)[0]  # the key
-            (kind,) = struct.unpack_from("<I", m, pos)
-            pos = skip_value(kind, pos + 4)
-        out = []
-        for _ in range(n_tensors):
-            (name_len,) = struct.unpack_from("<Q", m, pos)
-            name = bytes(m[pos + 8:pos + 8 + name_len]).decode("utf-8", "replace")
-            pos += 8 + name_len
-            (n_dims,) = struct.unpack_from("<I", m, pos)
-            if n_dims > 4:  # ggml's GGML_MAX_DIMS
-                raise ValueError(f"a tensor of {n_dims} dimensions")
-            dims = struct.unpack_from(f"<{n_dims}Q", m, pos + 4)
-            (kind,) = struct.unpack_from("<I", m, pos + 4 + 8 * n_dims)
-            pos += 4 + 8 * n_dims + 4 + 8
-            n = math.prod(dims)
-            values, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)]
-            out.append((name, tuple(reversed(dims)), n // values * size))  # ggml lists the inner dimension first
-        return out
+    """(name, shape, bytes) of a GGUF's tensors from its header, leaving out the metadata's
+    arrays (a 262k vocabulary this needs none of)."""
+    return [(t.name, tuple(reversed(t.shape)), t.n_bytes)  # ggml lists the inner dimension first
+            for t in GGUFFile(path, values=False).tensors]
 
 
 def _safetensors_header(f: Path) -> dict:

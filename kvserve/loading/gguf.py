@@ -1,6 +1,7 @@
-"""GGUF files: config from metadata, weights dequantized by the `gguf` package, tokenizer.
+"""GGUF files: config from metadata (read by gguf_file.py), weights dequantized by the `gguf`
+package, tokenizer.
 
-Parsing a GGUF's metadata and dequantizing it is slow (seconds), so `load_gguf` converts once
+Dequantizing a GGUF is slow (seconds), so `load_gguf` converts once
 into the cache (config.json + model.safetensors in fp32 + tokenizer.json) and later starts
 read only the cache. `load_gguf_blocks` keeps the file's quantized blocks instead (no fp32
 copy anywhere): it caches the config, the tokenizer and an index of the tensors (type, shape,
@@ -23,6 +24,7 @@ from torch import nn
 from kvserve.kernels.host_memory import empty_huge
 from kvserve.loading.cache import atomic_write_bytes, entry_dir, replace_atomically
 from kvserve.loading.errors import ModelLoadError
+from kvserve.loading.gguf_file import GGUFFile, Unreadable
 from kvserve.loading.serialize import config_from_dict, config_to_dict
 from kvserve.loading.tokenizer import GEMMA_VOCABULARIES, cached_gguf_tokenizer, write_gguf_tokenizer
 from kvserve.model.config import FULL, SLIDING, ModelConfig, MoEConfig, RopeConfig
@@ -71,25 +73,23 @@ _CONFIG_TENSORS = ("rope_freqs.weight",)
 _GLOBAL_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
 
 
-def open_gguf(path: Path):
+def open_gguf(path: Path) -> GGUFFile:
     try:
-        return gguf.GGUFReader(str(path))
-    except Exception as e:  # truncated or corrupt files fail deep inside numpy
+        return GGUFFile(path)
+    except Exception as e:  # truncated or corrupt files: the reader says where
         raise ModelLoadError(path, f"not a readable GGUF file, truncated or corrupt ({type(e).__name__}: {e})") from None
 
 
-def _field(reader, key: str, default=None, path: Path | None = None, kind: type | None = None):
+def _field(reader: GGUFFile, key: str, default=None, path: Path | None = None, kind: type | None = None):
     """A metadata value (the default when absent; none: an error naming the key), converted to
     `kind` with an error naming the key when it is not one."""
-    f = reader.fields.get(key)
-    if f is None:
+    if key not in reader.fields:
         if default is None:
             raise ModelLoadError(path, f"GGUF metadata lacks {key!r}")
         return default
-    try:
-        value = f.contents()
-    except Exception as e:  # a field whose declared type does not match its bytes
-        raise ModelLoadError(path, f"GGUF metadata {key!r} cannot be read ({type(e).__name__}: {e})") from None
+    value = reader.fields[key]
+    if isinstance(value, Unreadable):
+        raise ModelLoadError(path, f"GGUF metadata {key!r} cannot be read ({value.reason})")
     if kind is None:
         return value
     if kind in (int, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
@@ -99,7 +99,7 @@ def _field(reader, key: str, default=None, path: Path | None = None, kind: type 
     return kind(value)
 
 
-def read_gguf_config(reader, path: Path) -> ModelConfig:
+def read_gguf_config(reader: GGUFFile, path: Path) -> ModelConfig:
     """ModelConfig from the metadata; a value of the wrong type or an inconsistent set of them
     is a ModelLoadError naming the file."""
     try:
@@ -110,7 +110,7 @@ def read_gguf_config(reader, path: Path) -> ModelConfig:
         raise ModelLoadError(path, f"inconsistent GGUF metadata ({type(e).__name__}: {e})") from None
 
 
-def _read_gguf_config(reader, path: Path) -> ModelConfig:
+def _read_gguf_config(reader: GGUFFile, path: Path) -> ModelConfig:
     arch = _field(reader, "general.architecture", path=path, kind=str)
     if arch not in SUPPORTED_ARCHS:
         raise ModelLoadError(path, f"architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
@@ -194,7 +194,7 @@ def _read_gguf_config(reader, path: Path) -> ModelConfig:
     )
 
 
-def _rope_freq_factors(reader, head_dim: int, path: Path) -> tuple[float, ...]:
+def _rope_freq_factors(reader: GGUFFile, head_dim: int, path: Path) -> tuple[float, ...]:
     """rope_freqs.weight: what each rotary frequency is divided by (llama.cpp writes Llama 3.1+'s
     llama3 scaling this way, [head_dim / 2] F32), as a tuple of positive floats."""
     t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
@@ -269,7 +269,7 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_state_dict(reader, cfg: ModelConfig, path: Path) -> dict[str, torch.Tensor]:
+def gguf_state_dict(reader: GGUFFile, cfg: ModelConfig, path: Path) -> dict[str, torch.Tensor]:
     """Every tensor dequantized to fp32, under our parameter names."""
     sd: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
@@ -310,13 +310,13 @@ def _dequantized_experts(t, names: list[str], cfg: ModelConfig, path: Path) -> d
             for e, name in enumerate(names)}
 
 
-def _tokenizer_meta(reader, path: Path) -> dict:
+def _tokenizer_meta(reader: GGUFFile, path: Path) -> dict:
     """The tokenizer.ggml.* metadata by key without its prefix."""
     prefix = "tokenizer.ggml."
     return {k.removeprefix(prefix): _field(reader, k, path=path) for k in reader.fields if k.startswith(prefix)}
 
 
-def _gguf_tokenizer(reader, path: Path, entry: Path) -> Path:
+def _gguf_tokenizer(reader: GGUFFile, path: Path, entry: Path) -> Path:
     """The cache entry's tokenizer file (tokenizer.model or tokenizer.json), written once. The
     vocabulary's values are read only for the architectures that can use them (the others go to
     transformers' converter, which reads the file itself)."""
@@ -361,7 +361,7 @@ def _convert(path: Path, entry: Path, cfg_file: Path, weights: Path) -> Path:
 _INDEX_VERSION = 1
 
 
-def _tensor_index(reader) -> list[dict]:
+def _tensor_index(reader: GGUFFile) -> list[dict]:
     """Each tensor's name, ggml type, shape (GGUF order: fastest axis first), file offset, bytes."""
     return [{"name": t.name, "type": int(t.tensor_type), "shape": [int(d) for d in t.shape],
              "offset": int(t.data_offset), "bytes": int(t.n_bytes)} for t in reader.tensors]
