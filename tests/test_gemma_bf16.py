@@ -21,11 +21,10 @@ def gemma_bf16(gemma_path):
 
 
 @pytest.fixture(scope="module")
-def hf_gemma_bf16(gemma_path):
+def hf_gemma_bf16(hf_gemma_folder):
     from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(str(gemma_path.parent), gguf_file=gemma_path.name, dtype=torch.bfloat16)
-    return m.eval()
+    return AutoModelForCausalLM.from_pretrained(str(hf_gemma_folder), dtype=torch.bfloat16).eval()
 
 
 @pytest.mark.parametrize("prompt", [GREEDY_PROMPTS[0], GREEDY_PROMPTS[7]])
