@@ -15,8 +15,8 @@ For each:
    or is computed here.
 2. Speed in bf16 (the CUDA default): batch-1 decode tok/s (graphs, and eager for the graphs'
    share), TTFT of a fresh 512-token prompt, and the offline workload of `kvserve bench
-   throughput` (64 requests, inputs 32-512, outputs 32-256, seed 0), all again with multi-step
-   graph runs (--num-scheduler-steps); HF transformers on the same
+   throughput` (64 requests, inputs 32-512, outputs 32-256, seed 0; once more under cProfile for
+   where the host's time goes), all again with multi-step graph runs (--num-scheduler-steps); HF transformers on the same
    device and weights in bf16 (`generate`, greedy, its default cache and SDPA attention) for
    batch-1 decode and the 512-token prefill; and the bandwidth bound of batch-1 decode: bytes a
    step reads (weights + K/V at the mean context) over the device's measured read bandwidth.
@@ -29,9 +29,11 @@ request matches or parts at a near-tie; 1 on a mismatch; 2 on bad input or no de
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import json
 import platform
+import pstats
 import statistics
 import sys
 import tempfile
@@ -201,6 +203,26 @@ def kvserve_speed(llm: LLM, vocab: int, bos: int | None, device: str, repeats: i
     return out
 
 
+def offline_host_profile(llm: LLM, vocab: int, bos: int | None, device: str, requests: int, top: int = 20) -> dict:
+    """The offline workload once more under cProfile: engine steps, and the functions that take
+    the host's time (by own time), to show where a host-bound run spends it. Profiling slows the
+    Python side, so the times rank, they do not measure."""
+    off = make_workload(requests, INPUT_RANGE, OUTPUT_RANGE, vocab, bos, 0)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in off.output_lens]
+    prof = cProfile.Profile()
+    sync(device)
+    t = time.perf_counter()
+    prof.runcall(llm.generate, off.prompts, params)
+    sync(device)
+    wall = time.perf_counter() - t
+    stats = pstats.Stats(prof).stats  # (file, line, function) -> (primitive calls, calls, own s, cumulative s, callers)
+    rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    steps = next((v[1] for (f, _, name), v in stats.items() if name == "step" and f.endswith("llm_engine.py")), 0)
+    return {"wall_s": wall, "engine_steps": steps, "ms_per_step": 1e3 * wall / max(steps, 1),
+            "top_own_time": [{"function": f"{Path(f).name}:{line}({name})", "calls": v[1], "own_s": round(v[2], 4),
+                              "cumulative_s": round(v[3], 4)} for (f, line, name), v in rows]}
+
+
 def graph_replay_ms(llm: LLM, device: str, replays: int = 200) -> float | None:
     """GPU time of one captured batch-1 decode step (replays back to back, inputs as last
     filled): the engine's decode step time less this is the host's share."""
@@ -327,6 +349,9 @@ def measure_speed(source, hf_folder: Path | None, args, report: ModelReport, off
                                   args.output_len)
     sp["kvserve"]["graph_step_ms"] = graph_replay_ms(llm, args.device)
     sp["kvserve"]["graph_kernels"] = graph_kernels(llm, args.device)
+    if offline:
+        sp["kvserve"]["offline_host_profile"] = offline_host_profile(llm, cfg.vocab_size, cfg.bos_token_id,
+                                                                     args.device, offline)
     print(f"  kvserve {args.speed_dtype}: {fmt(sp['kvserve'])}", flush=True)
     graphs = llm.engine.runner.graphs is not None
     del llm
