@@ -156,6 +156,10 @@ class Engine:
     def check(self) -> None:
         live = self.live()
         self.bm.check_invariants(live)
+        for q in self.sched.running:  # the scheduler's shortcut against the allocation's own plan
+            for n in (1, 2, self.bm.block_size + 1):
+                plan = self.bm._plan(q, n)
+                assert self.bm.fits_in_place(q, n) == (not plan.hits and plan.num_from_free_pool == 0), (q.seq_id, n)
         for q in self.sched.running:
             toks = q.all_token_ids
             # The next query of either cache comes at `basis` or later: a sliding group must still

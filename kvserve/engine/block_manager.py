@@ -436,6 +436,20 @@ class BlockManager:
             return False
         return self._plan(seq, num_new_tokens).num_from_free_pool + reserve_blocks <= self.num_free_blocks
 
+    def fits_in_place(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether `allocate(seq, num_new_tokens)` has nothing to do: seq's tables already cover
+        the new positions and none of the blocks they write is shared (no copy-on-write). A
+        decode inside its last block (most steps): the scheduler skips the room check and the
+        allocation, the per-sequence cost of a large batch's step."""
+        table = seq.block_table  # (every group's table has its length)
+        end = seq.num_computed_tokens + num_new_tokens
+        if not table or num_new_tokens <= 0 or self.blocks_for(end) > len(table):
+            return False
+        if self.state_slots is not None and seq.state_slot is None:
+            return False
+        writes = range(seq.num_computed_tokens // self.block_size, self.blocks_for(end))
+        return not any(self._shared(t[i]) for t in self.tables(seq) for i in writes)
+
     def allocate(self, seq: Sequence, num_new_tokens: int) -> int:
         """Cover positions [0, num_computed_tokens + num_new_tokens) with blocks in every group.
 

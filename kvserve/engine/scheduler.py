@@ -217,10 +217,11 @@ class Scheduler:
             else:
                 n = self._chunk(seq.num_uncomputed_tokens, budget - reserved)
             if n > 0:
-                reserved -= self._make_room(seq, n, out)
-                if seq.status is not SequenceStatus.RUNNING:
-                    break  # seq preempted itself: it was the newest, nothing is left to visit
-                self.bm.allocate(seq, n)
+                if not self.bm.fits_in_place(seq, n):
+                    reserved -= self._make_room(seq, n, out)
+                    if seq.status is not SequenceStatus.RUNNING:
+                        break  # seq preempted itself: it was the newest, nothing is left to visit
+                    self.bm.allocate(seq, n)
                 (decodes if want else prefills).append(ScheduledSeq(seq, n, num_spec=n - 1 if want else 0))
                 budget -= n
             i += 1
