@@ -25,7 +25,11 @@ class SequenceStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self.name.startswith("FINISHED")
+        return self._finished  # (set below: asked several times a step for every sequence)
+
+
+for _status in SequenceStatus:
+    _status._finished = _status.name.startswith("FINISHED")
 
 
 @dataclass
