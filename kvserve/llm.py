@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from functools import cached_property
 from typing import Any, Iterable, Iterator, Sequence
 
@@ -14,7 +15,7 @@ from kvserve.engine.outputs import EmbeddingRequestOutput, RequestOutput
 from kvserve.loading import LoadedModel
 from kvserve.loading.chat_template import ChatTemplate, chat_template_for, read_chat_template
 from kvserve.pooling_params import PoolingParams
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int]
 Message = Mapping[str, Any]
@@ -43,7 +44,7 @@ class LLM:
         """Run every prompt to completion (batched by the scheduler); outputs in prompt order.
         `sampling_params`: one for all prompts, or one per prompt (default: SamplingParams())."""
         prompts = _as_list(prompts)
-        plist = _list_of(sampling_params, len(prompts), SamplingParams)
+        plist = [_final_only(sp) for sp in _list_of(sampling_params, len(prompts), SamplingParams)]
         ids: list[str] = []
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(prompts), desc="requests", unit="req", disable=not use_tqdm)
@@ -178,6 +179,14 @@ def _message(m, where: str) -> dict:
         raise ValueError(f"{where}.content must be a string or a list of text parts, got {type(content).__name__}")
     role = "system" if m["role"] == "developer" else m["role"]
     return {**m, "role": role, "content": content if content is not None else ""}
+
+
+def _final_only(params: SamplingParams) -> SamplingParams:
+    """A request `generate` runs to the end: outputs only when it finishes (vLLM's LLM does the
+    same), so no step builds a cumulative output nobody reads. A DELTA request keeps its kind."""
+    if isinstance(params, SamplingParams) and params.output_kind is RequestOutputKind.CUMULATIVE:
+        return replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+    return params
 
 
 def _list_of(params, n: int, kind: type) -> list:

@@ -57,3 +57,26 @@ def test_delta_and_final_only_agree_with_cumulative(tiny_llama):
 def test_output_kind_is_checked():
     with pytest.raises(ValueError, match="output_kind"):
         SamplingParams(output_kind="delta")
+
+
+def test_generate_builds_outputs_only_when_requests_finish(tiny_llama, monkeypatch):
+    """LLM.generate returns finished requests only, so it runs the default CUMULATIVE kind as
+    FINAL_ONLY (no per-step outputs); what it returns equals the last CUMULATIVE output."""
+    from kvserve import LLM
+    from kvserve.engine.output_processor import OutputProcessor
+
+    cumulative = _outputs(tiny_llama, RequestOutputKind.CUMULATIVE)
+    built = []
+    completion = OutputProcessor._completion
+    monkeypatch.setattr(OutputProcessor, "_completion", staticmethod(lambda s, kind: built.append(kind) or
+                                                                      completion(s, kind)))
+    outs = LLM(loaded=tiny_llama, kv_cache_gib=0.01).generate(PROMPTS, PARAMS)
+    assert built == [RequestOutputKind.FINAL_ONLY] * 2 * len(PROMPTS)  # n=2: two samples a request, once
+    for out, rid in zip(outs, ["r0", "r1"]):
+        want = cumulative[rid][-1]
+        assert [(c.text, c.token_ids, c.logprobs, c.finish_reason) for c in out.outputs] == \
+               [(c.text, c.token_ids, c.logprobs, c.finish_reason) for c in want.outputs]
+    delta = dataclasses.replace(PARAMS, output_kind=RequestOutputKind.DELTA)
+    built.clear()
+    LLM(loaded=tiny_llama, kv_cache_gib=0.01).generate(PROMPTS[:1], delta)
+    assert set(built) == {RequestOutputKind.DELTA} and len(built) > 2  # an explicit kind is kept
