@@ -447,7 +447,7 @@ class BlockManager:
             return False
         if self.state_slots is not None and seq.state_slot is None:
             return False
-        writes = range(seq.num_computed_tokens // self.block_size, self.blocks_for(end))
+        writes = self._write_range(len(table), seq.num_computed_tokens, num_new_tokens)
         return not any(self._shared(t[i]) for t in self.tables(seq) for i in writes)
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> int:

@@ -78,7 +78,6 @@ class GGUFFile:
         with open(path, "rb") as f:
             self._buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         self._size = len(self._buf)
-        self._values = values
         if self._buf[:4] != GGUF_MAGIC:
             raise ValueError("no GGUF magic at the start of the file")
         self._order = "<"
@@ -97,13 +96,14 @@ class GGUFFile:
             key, pos = self._string(pos)
             (kind,) = self._unpack("I", pos)
             start = pos + 4
-            pos = self._skip(kind, start)
             if key in self.types:
                 raise ValueError(f"metadata key {key!r} appears twice")
+            if values or kind != _ARRAY:
+                self.fields[key], pos = self._value(kind, start)
+            else:
+                pos = self._skip(kind, start)
             elem = self._unpack("I", start)[0] if kind == _ARRAY else None
             self.types[key] = (gguf.GGUFValueType(kind), None if elem is None else gguf.GGUFValueType(elem))
-            if values or kind != _ARRAY:
-                self.fields[key] = self._value(kind, start)
         infos, pos = self._tensor_infos(n_tensors, pos)
         self.data_start = _align(pos, self._alignment())
         self.tensors = self._place(infos)
@@ -145,33 +145,37 @@ class GGUFFile:
         self._need(end, "a metadata value")
         return end
 
-    def _value(self, kind: int, pos: int) -> Any:
+    def _value(self, kind: int, pos: int) -> tuple[Any, int]:
+        """(the value of `kind` at pos, or an `Unreadable`; the position after it)."""
         try:
-            return self._decode(kind, pos)[0]
+            return self._decode(kind, pos)
         except UnicodeDecodeError as e:
-            return Unreadable(f"a string that is not UTF-8 ({e})")
+            return Unreadable(f"a string that is not UTF-8 ({e})"), self._skip(kind, pos)
 
     def _decode(self, kind: int, pos: int) -> tuple[Any, int]:
-        """(the value of `kind` at pos, the position after it); bounds already checked by _skip."""
+        """(the value of `kind` at pos, the position after it), its bytes bounds-checked."""
         code = _SCALAR_CODES.get(kind)
         if code is not None:
             return self._unpack(code, pos)[0], pos + struct.calcsize(code)
         if kind == _STRING:
             return self._string(pos)
+        if kind != _ARRAY:
+            raise ValueError(f"unknown metadata value type {kind}")
         elem, count = self._unpack("IQ", pos)
         pos += 12
         code = _SCALAR_CODES.get(elem)
         if code is not None:  # numbers in one read
-            size = struct.calcsize(code)
-            dtype = np.dtype(code).newbyteorder(self._order)
-            return np.frombuffer(self._buf, dtype, count, pos).tolist(), pos + count * size
+            end = pos + count * struct.calcsize(code)
+            self._need(end, "a metadata value")
+            return np.frombuffer(self._buf, np.dtype(code).newbyteorder(self._order), count, pos).tolist(), end
         out = []
         if elem == _STRING:  # (a vocabulary: the loop that matters)
             buf, q = self._buf, struct.Struct(self._order + "Q")
-            for _ in range(count):
+            for _ in range(count):  # (each string at least 8 bytes: a huge count meets the end)
                 (n,) = q.unpack_from(buf, pos)
                 out.append(str(buf[pos + 8:pos + 8 + n], "utf-8"))
                 pos += 8 + n
+            self._need(pos, "a metadata value")  # (the last string may have run past it)
             return out, pos
         for _ in range(count):
             value, pos = self._decode(elem, pos)
