@@ -71,7 +71,8 @@ def _add_weights_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-pack-weights", dest="pack_weights", action="store_false",
                    help="CPU fp32: do not keep the packed copy of the weights for decode steps nor the int8 screen "
                         "of the LM head for greedy tokens (saves one copy of the fp32 weights and a quarter of the "
-                        "head in memory; decode steps get slower)")
+                        "head in memory; decode steps get slower); CUDA: cuBLAS for every matmul, no Triton "
+                        "matrix-vector kernels chosen by timing for decode steps of 1-4 sequences")
     p.add_argument("--compile", action="store_true",
                    help="float weights: run every full forward pass through torch.compile (inductor; attention stays "
                         "kvserve's, one opaque op per layer) instead of the packed-weight C kernels; the first step "

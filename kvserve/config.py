@@ -236,6 +236,8 @@ class EngineConfig:
     # kernel (kvserve/accel/panels.py): 1.2-4x MKL for steps of 1-128 sequences, for one more
     # copy of the fp32 weights in memory. A model handed in as `loaded` gets its copies too. The
     # packed head also gets an int8 screen for greedy steps (kvserve/accel/greedy_head.py).
+    # CUDA: time Triton matrix-vector kernels against cuBLAS for each projection of 1-4 rows
+    # inside CUDA graphs and keep the faster (kvserve/accel/cuda_gemv.py); False: cuBLAS.
     pack_weights: bool = True
     # Every full forward pass through torch.compile (inductor), dynamic in the token count, with
     # each layer's K/V write and paged attention one opaque op (kvserve/accel/compiled.py). The

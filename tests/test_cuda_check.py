@@ -101,6 +101,7 @@ def test_cpu_dry_run_of_the_synthetic_model_path(cuda_check, tmp_path, monkeypat
     multi = speed["kvserve_multi_step"]
     assert multi["decode_batch1_tok_s"] > 0 and multi["offline_output_tok_s"] > 0
     assert speed["multi_step_share_of_bound"] > 0
+    assert speed["kvserve_cublas"]["decode_batch1_tok_s"] > 0 and speed["small_batch_kernels_speedup"] > 0
     assert json.loads((tmp_path / "cuda_check_cpu.json").read_text())["environment"]["wall_s"] > 0
 
 

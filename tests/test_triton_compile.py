@@ -14,9 +14,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvserve.kernels.triton_gemv import CONFIGS
+
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = ("_rms_norm_kernel", "_residual_norm_kernel", "_qk_norm_rope_kernel", "_norm_rope_kernel",
-           "_gated_act_kernel", "_decode_part_kernel", "_decode_merge_kernel", "_prefill_kernel")
+           "_gated_act_kernel", "_decode_part_kernel", "_decode_merge_kernel", "_prefill_kernel", "_gemv_kernel")
 
 
 def test_every_triton_kernel_compiles_for_sm90():
@@ -28,7 +30,13 @@ def test_every_triton_kernel_compiles_for_sm90():
     assert done, r.stdout
     kernels, cases = int(done[1]), int(done[2])
     lines = [ln for ln in r.stdout.splitlines() if ": cubin " in ln]
-    assert cases >= 5 and kernels == len(lines) == 12 * cases, r.stdout  # every launch of every case
+    assert cases >= 5 and kernels == len(lines), r.stdout  # every launch of every case
+    gemv = [ln for ln in lines if " _gemv_kernel: " in ln]
+    assert len(lines) - len(gemv) == 12 * cases, r.stdout
+    # The small-batch products: every tiling the engine may time in bf16 (the speed dtype), one in
+    # fp32; one and four rows, plain and with the activation in front; one with a bias.
+    bf16 = sum(" bfloat16 " in ln for ln in gemv)
+    assert bf16 == 3 * (4 * len(CONFIGS) + 1) and len(gemv) - bf16 == 2 * 5, gemv
     for kernel in KERNELS:
         assert sum(f" {kernel}: " in ln for ln in lines) >= cases, kernel
     # The tiles measured on the H200 (head_dim 64) spill 200-300 bytes a thread; the ones that

@@ -125,6 +125,27 @@ def compile_shape(s: Shape, dtype: torch.dtype, T: int = 3, block_size: int = 16
     triton_attention.paged_prefill(q, k_pool, v_pool, slots, 0, 0, s.window, D ** -0.5)  # 16-query programs
     chunk = torch.randn(40, H, D, dtype=dtype)
     triton_attention.paged_prefill(chunk, k_pool, v_pool, torch.arange(40), 0, 0, s.window, D ** -0.5)  # 32-query
+    from kvserve.kernels.triton_gemv import CONFIGS
+
+    compile_gemv(s, dtype, CONFIGS if dtype == torch.bfloat16 else CONFIGS[:1])  # fp32: the exactness check
+
+
+def compile_gemv(s: Shape, dtype: torch.dtype, configs) -> None:
+    """The small-batch products of a decode step with each tiling the engine may time: q/k/v
+    (one row and four), the down projection with its activation (one row and four); one with a
+    bias (Qwen2's q/k/v)."""
+    from kvserve.kernels import triton_gemv
+
+    rows = triton_gemv.MAX_ROWS
+    qkv_rows = (s.heads + 2 * s.kv_heads) * s.head_dim
+    w_qkv = torch.randn(qkv_rows, s.hidden, dtype=dtype)
+    w_down = torch.randn(s.hidden, s.intermediate, dtype=dtype)
+    for config in configs:
+        for m in (1, rows):
+            triton_gemv.gemv(torch.randn(m, s.hidden, dtype=dtype), w_qkv, None, config)
+            gate, up = torch.randn(m, 2 * s.intermediate, dtype=dtype).chunk(2, dim=-1)
+            triton_gemv.gated_gemv(gate, up, w_down, None, s.gelu_tanh, config)
+    triton_gemv.gemv(torch.randn(1, s.hidden, dtype=dtype), w_qkv, torch.randn(qkv_rows, dtype=dtype), configs[0])
 
 
 # bf16 is the speed dtype on CUDA; fp32 runs the exactness check (the bundled model and Llama-1B).

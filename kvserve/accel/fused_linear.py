@@ -26,9 +26,23 @@ class FusedLinear(nn.Module):
         super().__init__()
         self.register_buffer("weight", weight, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
+        self.gemv = None  # a small-batch kernel choice (accel/cuda_gemv.py GemvChoice), set on CUDA
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv is not None:
+            return self.gemv.linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+def linear_sharing(cls: type[nn.Linear], linear: nn.Linear) -> nn.Linear:
+    """An instance of the nn.Linear subclass `cls` holding `linear`'s own parameters (the same
+    tensors under the same state_dict keys): how a fast path swaps a layer's forward."""
+    m = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+    m.weight = linear.weight
+    if linear.bias is not None:
+        m.bias = linear.bias
+    m.train(linear.training)
+    return m
 
 
 def concat_linears(parts: list[nn.Module]) -> FusedLinear | None:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve import kernels
+from kvserve.accel.fused_linear import linear_sharing
 from kvserve.model.attention import Attention
 from kvserve.model.layers import GatedMLP
 
@@ -88,11 +89,7 @@ class PanelLinear(nn.Linear):
     @classmethod
     def wrapping(cls, linear: nn.Linear, panels: Panels) -> PanelLinear:
         """A PanelLinear holding `linear`'s own parameters (same tensors, same state_dict keys)."""
-        m = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
-        m.weight = linear.weight
-        if linear.bias is not None:
-            m.bias = linear.bias
-        m.train(linear.training)
+        m = linear_sharing(cls, linear)
         m.panels = panels
         return m
 

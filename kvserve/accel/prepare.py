@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from kvserve.accel import panels
+from kvserve.accel.cuda_gemv import tune_small_batch_matmuls, use_cublas
 from kvserve.accel.fused_linear import fuse_linear_projections
 from kvserve.accel.fused_quant import fuse_projections
 from kvserve.accel.greedy_head import head_screen, screen_head
@@ -28,7 +29,8 @@ def prepare_model(model: nn.Module, device: str | torch.device, *, pack: bool = 
     each, on the int kernels. `pack` (fp32 on the CPU): every Linear and a tied head packed for
     decode steps (`head_only`: the LM head alone, for a compiled forward pass), the packed head
     screened for greedy rows. `fuse_cuda` (float weights on CUDA): q/k/v and gate/up as one
-    matmul each. `what` names the model in the log."""
+    matmul each, and (with `pack`) each projection's small-batch kernel in CUDA graphs chosen by
+    timing (accel/cuda_gemv.py; the records in `model.small_batch_tuning`). `what` names the model in the log."""
     device = torch.device(device)
     if low_bit:
         fuse_projections(model)
@@ -42,6 +44,13 @@ def prepare_model(model: nn.Module, device: str | torch.device, *, pack: bool = 
     if fuse_cuda and device.type == "cuda" and not low_bit:
         n = fuse_linear_projections(model)
         log.info("%s: %d projections fused for CUDA (q/k/v, gate/up)", what, n)
+        if pack:
+            t = time.perf_counter()
+            model.small_batch_tuning = tune_small_batch_matmuls(model)
+            log.info("%s: small-batch matmul kernels chosen in %.1f s", what, time.perf_counter() - t)
+        else:  # (a model prepared before by another engine keeps no choice)
+            use_cublas(model)
+            model.small_batch_tuning = []
 
 
 def fast_path_nbytes(model: nn.Module) -> int:

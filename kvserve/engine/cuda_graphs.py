@@ -33,6 +33,7 @@ from typing import Sequence as Seq
 
 import torch
 
+from kvserve.accel.cuda_gemv import graph_capture
 from kvserve.model.attention import AttentionMetadata, DecodeBatch, KVCache
 from kvserve.model.base import CausalLM
 
@@ -244,7 +245,7 @@ class DecodeGraphs:
         self._fill(graph, [])  # every row padding
         longs.copy_(host_longs)
         ints.copy_(host_ints)
-        with torch.inference_mode():
+        with torch.inference_mode(), graph_capture():  # (graph_capture: the small-batch kernels chosen)
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS picks its kernels

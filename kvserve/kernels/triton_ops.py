@@ -24,7 +24,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _round(x, like):
+def round_as(x, like):
     """x (fp32) rounded to nearest-even in the element type of the pointer `like`, back in fp32,
     as PyTorch rounds each op's result. bf16 by bit arithmetic: Triton's interpreter truncates
     in its fp32 -> bf16 cast, and the compiled kernel computes the same bits this way."""
@@ -43,8 +43,8 @@ def _normed(x, w, eps, n_cols, OFFSET: tl.constexpr, out_like):
     model's RMSNorm: Gemma's (1 + w) product in fp32, Llama's after rounding the normalized x."""
     r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
     if OFFSET:
-        return _round(x * r * (1.0 + w), out_like)
-    return _round(_round(x * r, out_like) * w, out_like)
+        return round_as(x * r * (1.0 + w), out_like)
+    return round_as(round_as(x * r, out_like) * w, out_like)
 
 
 @triton.jit(do_not_specialize=["n_cols"])
@@ -71,7 +71,7 @@ def _residual_norm_kernel(x_ptr, res_ptr, w1_ptr, w2_ptr, h_ptr, y_ptr, stride_x
     if NORM_X:
         w1 = tl.load(w1_ptr + cols, mask=ok, other=0.0).to(tl.float32)
         x = _normed(x, w1, eps, n_cols, OFFSET, h_ptr)
-    h = _round(res + x, h_ptr)
+    h = round_as(res + x, h_ptr)
     tl.store(h_ptr + row * stride_h + cols, h.to(h_ptr.dtype.element_ty), mask=ok)
     if SECOND:
         w2 = tl.load(w2_ptr + cols, mask=ok, other=0.0).to(tl.float32)
@@ -94,18 +94,18 @@ def _norm_rope_head(src, w_ptr, eps, cos_row, sin_row, dst, D: tl.constexpr, HAL
         w1 = tl.load(w_ptr + i, mask=ok, other=0.0).to(tl.float32)
         w2 = tl.load(w_ptr + half + i, mask=ok, other=0.0).to(tl.float32)
         if OFFSET:
-            x1 = _round(x1 * r * (1.0 + w1), dst)
-            x2 = _round(x2 * r * (1.0 + w2), dst)
+            x1 = round_as(x1 * r * (1.0 + w1), dst)
+            x2 = round_as(x2 * r * (1.0 + w2), dst)
         else:
-            x1 = _round(_round(x1 * r, dst) * w1, dst)
-            x2 = _round(_round(x2 * r, dst) * w2, dst)
+            x1 = round_as(round_as(x1 * r, dst) * w1, dst)
+            x2 = round_as(round_as(x2 * r, dst) * w2, dst)
     c1 = tl.load(cos_row + i, mask=ok, other=0.0).to(tl.float32)
     c2 = tl.load(cos_row + half + i, mask=ok, other=0.0).to(tl.float32)
     s1 = tl.load(sin_row + i, mask=ok, other=0.0).to(tl.float32)
     s2 = tl.load(sin_row + half + i, mask=ok, other=0.0).to(tl.float32)
     # x * cos + cat(-x2, x1) * sin, each product and the sum rounded as the PyTorch ops round them
-    y1 = _round(_round(x1 * c1, dst) + _round(-x2 * s1, dst), dst)
-    y2 = _round(_round(x2 * c2, dst) + _round(x1 * s2, dst), dst)
+    y1 = round_as(round_as(x1 * c1, dst) + round_as(-x2 * s1, dst), dst)
+    y2 = round_as(round_as(x2 * c2, dst) + round_as(x1 * s2, dst), dst)
     tl.store(dst + i, y1.to(dst.dtype.element_ty), mask=ok)
     tl.store(dst + half + i, y2.to(dst.dtype.element_ty), mask=ok)
 
@@ -152,14 +152,11 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, 
                    BLOCK)
 
 
-@triton.jit(do_not_specialize=["n_cols"])
-def _gated_act_kernel(g_ptr, u_ptr, out_ptr, stride_g, stride_u, stride_o, n_cols,
-                      GELU_TANH: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < n_cols
-    g = tl.load(g_ptr + row * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + row * stride_u + cols, mask=ok, other=0.0).to(tl.float32)
+@triton.jit
+def gated(g, u, GELU_TANH: tl.constexpr, like):
+    """round(round(act(g)) * u) in the element type of the pointer `like` (fp32 in, fp32 out):
+    GELU-tanh or SiLU, as the model's PyTorch ops round them. Also the prologue of the down
+    projection's matrix-vector kernel (kernels/triton_gemv.py)."""
     if GELU_TANH:
         # PyTorch's formula with an fp32 tanh (from exp(-2|z|): the interpreter has no tanh),
         # so even the far negative tail, where 1 + tanh cancels, rounds as PyTorch's does
@@ -169,7 +166,18 @@ def _gated_act_kernel(g_ptr, u_ptr, out_ptr, stride_g, stride_u, stride_o, n_col
         a = 0.5 * g * (1.0 + tl.where(z < 0, -tanh, tanh))
     else:
         a = g / (1.0 + tl.exp(-g))
-    y = _round(_round(a, out_ptr) * u, out_ptr)
+    return round_as(round_as(a, like) * u, like)
+
+
+@triton.jit(do_not_specialize=["n_cols"])
+def _gated_act_kernel(g_ptr, u_ptr, out_ptr, stride_g, stride_u, stride_o, n_cols,
+                      GELU_TANH: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    g = tl.load(g_ptr + row * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + cols, mask=ok, other=0.0).to(tl.float32)
+    y = gated(g, u, GELU_TANH, out_ptr)
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 

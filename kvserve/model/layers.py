@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -203,6 +203,9 @@ class GatedMLP(nn.Module):
         # gate and up packed as one matrix for decode steps (set by kvserve/accel/panels.py), the
         # Linears kept for prefill.
         self.gate_up_panels: PackedMatmul | None = None
+        # act(gate) * up and the down projection as one kernel for small CUDA batches
+        # (kvserve/accel/cuda_gemv.py): (gate, up) -> the MLP's output, or None.
+        self.down_gated: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = None
@@ -214,6 +217,10 @@ class GatedMLP(nn.Module):
             gate, up = gate_up.chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.down_gated is not None:
+            y = self.down_gated(gate, up)
+            if y is not None:
+                return y
         return self.down_proj(self.activate(gate, up))
 
     def activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

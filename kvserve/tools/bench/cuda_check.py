@@ -16,7 +16,9 @@ For each:
 2. Speed in bf16 (the CUDA default): batch-1 decode tok/s (graphs, and eager for the graphs'
    share), TTFT of a fresh 512-token prompt, and the offline workload of `kvserve bench
    throughput` (64 requests, inputs 32-512, outputs 32-256, seed 0; once more under cProfile for
-   where the host's time goes), all again with multi-step graph runs (--num-scheduler-steps); HF transformers on the same
+   where the host's time goes), all again with multi-step graph runs (--num-scheduler-steps);
+   batch-1 decode again with cuBLAS for every matmul (pack_weights=False), beside the small-batch
+   kernels the engine chose by timing and those timings; HF transformers on the same
    device and weights in bf16 (`generate`, greedy, its default cache and SDPA attention) for
    batch-1 decode and the 512-token prefill; and the bandwidth bound of batch-1 decode: bytes a
    step reads (weights + K/V at the mean context) over the device's measured read bandwidth.
@@ -349,6 +351,8 @@ def measure_speed(source, hf_folder: Path | None, args, report: ModelReport, off
                                   args.output_len)
     sp["kvserve"]["graph_step_ms"] = graph_replay_ms(llm, args.device)
     sp["kvserve"]["graph_kernels"] = graph_kernels(llm, args.device)
+    # cuBLAS or a Triton tiling per projection, with the times that chose it (accel/cuda_gemv.py)
+    sp["kvserve"]["small_batch_tuning"] = getattr(loaded.model, "small_batch_tuning", None)
     if offline:
         sp["kvserve"]["offline_host_profile"] = offline_host_profile(llm, cfg.vocab_size, cfg.bos_token_id,
                                                                      args.device, offline)
@@ -365,6 +369,18 @@ def measure_speed(source, hf_folder: Path | None, args, report: ModelReport, off
         sp["kvserve_multi_step"]["graph_kernels"] = graph_kernels(multi, args.device, multi=True)
         print(f"  kvserve, {args.num_scheduler_steps}-step runs: {fmt(sp['kvserve_multi_step'])}", flush=True)
         del multi
+        free(args.device)
+    if graphs:  # the same graphs with cuBLAS for every matmul: what the chosen Triton kernels gain
+        plain = LLM(loaded=loaded, device=args.device, dtype=args.speed_dtype, kv_cache_gib=args.kv_cache_gib,
+                    pack_weights=False)
+        sp["kvserve_cublas"] = decode_only_speed(plain, cfg.vocab_size, cfg.bos_token_id, args.repeats,
+                                                 args.output_len)
+        sp["kvserve_cublas"]["graph_step_ms"] = graph_replay_ms(plain, args.device)
+        sp["small_batch_kernels_speedup"] = (sp["kvserve"]["decode_batch1_tok_s"]
+                                             / sp["kvserve_cublas"]["decode_batch1_tok_s"])
+        print(f"  kvserve, cuBLAS only: {fmt(sp['kvserve_cublas'])}; the chosen kernels "
+              f"{sp['small_batch_kernels_speedup']:.2f}x", flush=True)
+        del plain
         free(args.device)
     eager = LLM(loaded=loaded, device=args.device, dtype=args.speed_dtype, kv_cache_gib=args.kv_cache_gib,
                 enforce_eager=True)
