@@ -41,6 +41,15 @@ CUBLAS = "cublas"
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def _kernels():
+    """kernels/triton_gemv.py, imported on first use."""
+    from kvserve.kernels import (
+        triton_gemv,  # Triton comes with CUDA builds of torch only
+    )
+
+    return triton_gemv
+
+
 _IN_GRAPH: ContextVar[bool] = ContextVar("kvserve_small_batch_graph", default=False)
 
 
@@ -67,25 +76,21 @@ class GemvChoice:
         """The tiling for input x [..., K], or None where cuBLAS (or the module's own path) runs:
         outside `graph_capture`, more rows than a bucket, autograd, dtypes
         that differ, a compiled graph being traced."""
-        from kvserve.kernels.triton_gemv import MAX_ROWS
-
         if not _IN_GRAPH.get():
             return None
         rows = x.numel() // max(1, x.shape[-1])
-        if not 0 < rows <= MAX_ROWS or x.dtype != weight.dtype or x.dtype not in _FLOATS:
+        if not 0 < rows <= _kernels().MAX_ROWS or x.dtype != weight.dtype or x.dtype not in _FLOATS:
             return None
         if torch.is_grad_enabled() or torch.compiler.is_compiling():
             return None
-        return self.by_rows.get(1 if rows == 1 else MAX_ROWS)
+        return self.by_rows.get(1 if rows == 1 else _kernels().MAX_ROWS)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """F.linear(x, weight, bias), through the chosen tiling where one applies."""
         config = self.config(x, weight)
         if config is None:
             return F.linear(x, weight, bias)
-        from kvserve.kernels.triton_gemv import gemv
-
-        return gemv(x, weight, bias, config)
+        return _kernels().gemv(x, weight, bias, config)
 
 
 class GemvLinear(nn.Linear):
@@ -118,9 +123,7 @@ class GatedDown:
         config = self.gemv.config(gate, self.down.weight)
         if config is None or up.dtype != gate.dtype or gate.stride(-1) != 1 or up.stride(-1) != 1:
             return None
-        from kvserve.kernels.triton_gemv import gated_gemv
-
-        return gated_gemv(gate, up, self.down.weight, self.down.bias, self.gelu_tanh, config)
+        return _kernels().gated_gemv(gate, up, self.down.weight, self.down.bias, self.gelu_tanh, config)
 
 
 @dataclass
@@ -167,30 +170,44 @@ def _members(model: nn.Module) -> dict[tuple[str, tuple[int, ...], bool], list[_
     return groups
 
 
+def _product(kind: str, member: _Member, config: GemvConfig | None, x: torch.Tensor) -> torch.Tensor:
+    """One member's product of input x with the tiling `config` (None: cuBLAS, after the
+    activation's own kernel for down+act, which is the path the fused kernel replaces); for
+    down+act x holds gate and up side by side."""
+    w, b = member.weight, member.bias
+    if kind != "down+act":
+        return F.linear(x, w, b) if config is None else _kernels().gemv(x, w, b, config)
+    gate, up = x.chunk(2, dim=-1)
+    if config is None:
+        return F.linear(member.mlp.activate(gate, up), w, b)
+    return _kernels().gated_gemv(gate, up, w, b, member.mlp.gelu_tanh, config)
+
+
+def _input(kind: str, members: list[_Member], rows: int) -> torch.Tensor:
+    w = members[0].weight
+    width = 2 * w.shape[1] if kind == "down+act" else w.shape[1]
+    return torch.randn(rows, width, dtype=w.dtype, device=w.device)
+
+
 def _runner(kind: str, members: list[_Member], config: GemvConfig | None, rows: int) -> Callable[[], None]:
     """A function making this kind's product for every member once, from one random input of
-    `rows` rows, with the tiling `config` (None: cuBLAS, after the activation's own kernel for
-    down+act, which is the path it replaces)."""
-    from kvserve.kernels.triton_gemv import gated_gemv, gemv
-
-    w0 = members[0].weight
-    K = w0.shape[1]
-    x = torch.randn(rows, 2 * K if kind == "down+act" else K, dtype=w0.dtype, device=w0.device)
-    gate, up = x.chunk(2, dim=-1)
-    mlp = members[0].mlp
-
-    def one(w: torch.Tensor, b: torch.Tensor | None) -> None:
-        if kind != "down+act":
-            F.linear(x, w, b) if config is None else gemv(x, w, b, config)
-        elif config is None:
-            F.linear(mlp.activate(gate, up), w, b)
-        else:
-            gated_gemv(gate, up, w, b, mlp.gelu_tanh, config)
+    `rows` rows, with the tiling `config` (None: cuBLAS)."""
+    x = _input(kind, members, rows)
 
     def run() -> None:
         for m in members:
-            one(m.weight, m.bias)
+            _product(kind, m, config, x)
     return run
+
+
+def _agrees(kind: str, members: list[_Member], config: GemvConfig, rows: int) -> bool:
+    """The tiling's product equals cuBLAS's within the dtype's rounding (summed in another
+    order), on the first member: a kernel that computes something else is never chosen."""
+    x = _input(kind, members, rows)
+    want = _product(kind, members[0], None, x).float()
+    got = _product(kind, members[0], config, x).float()
+    tol = (1e-4 if x.dtype == torch.float32 else 2 ** -6) * (float(want.abs().max()) + 1.0)
+    return bool(torch.isfinite(got).all()) and float((got - want).abs().max()) <= tol
 
 
 def graph_time_us(run: Callable[[], None], calls: int, replays: int = 10) -> float:
@@ -222,26 +239,31 @@ def pick(us: dict[str, float]) -> str:
 def tune_small_batch_matmuls(model: nn.Module, timer: Callable[[Callable[[], None], int], float] = graph_time_us
                              ) -> list[dict]:
     """Time cuBLAS and each Triton tiling for every projection kind of `model` (float weights on
-    CUDA), at one row and at four, and attach the fastest. Returns one record per kind and
-    bucket: {"kind", "shape", "rows", "us": {candidate: microseconds a product}, "chosen"}.
-    `timer(run, calls)` measures; the tests pass their own."""
-    from kvserve.kernels.triton_gemv import CONFIGS, MAX_ROWS
-
+    CUDA), at one row and at four, and attach the fastest. A tiling whose product disagrees
+    with cuBLAS's is rejected untimed. Returns one record per kind and bucket: {"kind", "shape",
+    "rows", "us": {candidate: microseconds a product}, "chosen", "rejected"}. `timer(run,
+    calls)` measures; the tests pass their own."""
+    configs, max_rows = _kernels().CONFIGS, _kernels().MAX_ROWS
     records = []
     for (kind, shape, _), members in _members(model).items():
         choice = GemvChoice()
         winner = None
-        for rows in (1, MAX_ROWS):
+        for rows in (1, max_rows):
             # Four rows try the one-row winner only: each tiling is a compile, and a device's minutes are few.
-            candidates = list(CONFIGS) if rows == 1 else [c for c in CONFIGS if c == winner]
+            candidates = list(configs) if rows == 1 else [c for c in configs if c == winner]
+            rejected = [str(c) for c in candidates if not _agrees(kind, members, c, rows)]
             us = {CUBLAS: timer(_runner(kind, members, None, rows), len(members))}
             for config in candidates:
-                us[str(config)] = timer(_runner(kind, members, config, rows), len(members))
+                if str(config) not in rejected:
+                    us[str(config)] = timer(_runner(kind, members, config, rows), len(members))
             chosen = pick(us)
             choice.by_rows[rows] = next((c for c in candidates if str(c) == chosen), None)
             winner = winner or choice.by_rows[rows]
             records.append({"kind": kind, "shape": list(shape), "rows": rows,
-                            "us": {k: round(v, 2) for k, v in us.items()}, "chosen": chosen})
+                            "us": {k: round(v, 2) for k, v in us.items()}, "chosen": chosen, "rejected": rejected})
+            if rejected:
+                log.warning("small-batch %s %s x%d: %s disagreed with cuBLAS, not timed", kind, list(shape), rows,
+                            ", ".join(rejected))
             log.info("small-batch %s %s x%d: %s (%s)", kind, list(shape), rows, chosen,
                      ", ".join(f"{k} {v:.1f} us" for k, v in us.items()))
         for m in members:  # one choice object: a kind's layers share it

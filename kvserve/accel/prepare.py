@@ -44,13 +44,18 @@ def prepare_model(model: nn.Module, device: str | torch.device, *, pack: bool = 
     if fuse_cuda and device.type == "cuda" and not low_bit:
         n = fuse_linear_projections(model)
         log.info("%s: %d projections fused for CUDA (q/k/v, gate/up)", what, n)
+        model.small_batch_tuning = []
+        use_cublas(model)  # (a model prepared before by another engine keeps no choice)
         if pack:
             t = time.perf_counter()
-            model.small_batch_tuning = tune_small_batch_matmuls(model)
-            log.info("%s: small-batch matmul kernels chosen in %.1f s", what, time.perf_counter() - t)
-        else:  # (a model prepared before by another engine keeps no choice)
-            use_cublas(model)
-            model.small_batch_tuning = []
+            try:
+                model.small_batch_tuning = tune_small_batch_matmuls(model)
+            except Exception as exc:  # an optional speed-up: cuBLAS serves every product without it
+                use_cublas(model)
+                model.small_batch_tuning = [{"error": repr(exc)}]
+                log.warning("%s: small-batch matmul kernels not tuned (%r); cuBLAS for every matmul", what, exc)
+            else:
+                log.info("%s: small-batch matmul kernels chosen in %.1f s", what, time.perf_counter() - t)
 
 
 def fast_path_nbytes(model: nn.Module) -> int:
