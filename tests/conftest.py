@@ -39,31 +39,70 @@ def gemma(gemma_path):
     return load_model(gemma_path)
 
 
+def _oracle_cache(gemma_path: Path) -> Path:
+    """Where HF's own conversion of the bundled GGUF is kept between sessions: parsing and
+    dequantizing the GGUF takes HF ~35 s for the model and ~16 s for the tokenizer, loading what
+    it made from safetensors and tokenizer.json about a second. Keyed by the file's size and
+    mtime and by transformers' version; $KVSERVE_TEST_CACHE moves it."""
+    import transformers
+
+    st = gemma_path.stat()
+    root = Path(os.environ.get("KVSERVE_TEST_CACHE", Path.home() / ".cache" / "kvserve-tests"))
+    return root / f"hf-gemma-{st.st_size}-{int(st.st_mtime)}-transformers-{transformers.__version__}"
+
+
+def _publish(folder: Path, write) -> Path:
+    """`write(tmp)` fills a new folder that then appears at `folder` whole (a rename), so an
+    interrupted session leaves nothing half-written for the next one to load."""
+    import shutil
+    import tempfile
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
+    try:
+        write(tmp)
+        tmp.rename(folder)
+    except OSError:
+        if not folder.is_dir():  # (another session publishing the same folder first is fine)
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
 @pytest.fixture(scope="session")
-def hf_gemma(gemma_path):
-    """HF transformers' Gemma 3 270M from the same GGUF: the reference oracle."""
+def hf_gemma_folder(gemma_path) -> Path:
+    """HF transformers' Gemma 3 270M as HF reads it from the bundled GGUF (fp32, dequantized by
+    HF), saved as an HF folder (config.json, generation_config.json, model.safetensors): the
+    oracle's weights. HF loads any dtype from it in about a second, and what it loads equals its
+    load from the GGUF: every parameter and buffer, and the logits."""
+    folder = _oracle_cache(gemma_path) / "model"
+    if (folder / "model.safetensors").is_file():
+        return folder
+
+    def write(tmp: Path) -> None:
+        import json
+
+        from safetensors.torch import save_model
+        from transformers import AutoModelForCausalLM
+
+        m = AutoModelForCausalLM.from_pretrained(str(gemma_path.parent), gguf_file=gemma_path.name,
+                                                 dtype=torch.float32)
+        config = m.config.to_dict()
+        config.pop("quantization_config", None)  # (the GGUF it came from: HF would look for it)
+        (tmp / "config.json").write_text(json.dumps(config))
+        m.generation_config.save_pretrained(tmp)
+        save_model(m, str(tmp / "model.safetensors"))  # (the tied head stored once)
+
+    return _publish(folder, write)
+
+
+@pytest.fixture(scope="session")
+def hf_gemma(hf_gemma_folder):
+    """HF transformers' Gemma 3 270M from the same GGUF (fp32): the reference oracle."""
     from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(str(gemma_path.parent), gguf_file=gemma_path.name, dtype=torch.float32)
-    return m.eval()
-
-
-@pytest.fixture(scope="session")
-def hf_gemma_folder(hf_gemma, tmp_path_factory) -> Path:
-    """The oracle's weights, as HF dequantized them, in an HF folder (config.json and
-    model.safetensors): HF loads another dtype from it in under a second, where parsing the
-    GGUF again takes ~35 s. Its bf16 load from here equals its bf16 load from the GGUF: every
-    parameter and buffer, and the logits."""
-    import json
-
-    from safetensors.torch import save_model
-
-    folder = tmp_path_factory.mktemp("hf_gemma")
-    config = hf_gemma.config.to_dict()
-    config.pop("quantization_config", None)  # (the GGUF it came from: HF would look for it)
-    (folder / "config.json").write_text(json.dumps(config))
-    save_model(hf_gemma, str(folder / "model.safetensors"))  # (the tied head stored once)
-    return folder
+    return AutoModelForCausalLM.from_pretrained(str(hf_gemma_folder), dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")
@@ -76,9 +115,24 @@ def gemma_gguf_reader(gemma_path):
 
 @pytest.fixture(scope="session")
 def hf_gemma_tokenizer(gemma_path):
+    """HF transformers' tokenizer as HF converts it from the bundled GGUF, saved once
+    (tokenizer.json and its config) and loaded from there. The BOS / EOS flags, which HF's
+    saving leaves out, are kept beside it and passed back."""
+    import json
+
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(gemma_path.parent), gguf_file=gemma_path.name)
+    folder = _oracle_cache(gemma_path) / "tokenizer"
+    if not (folder / "flags.json").is_file():
+        tok = AutoTokenizer.from_pretrained(str(gemma_path.parent), gguf_file=gemma_path.name)
+
+        def write(tmp: Path) -> None:
+            tok.save_pretrained(tmp)
+            flags = {"add_bos_token": tok.add_bos_token, "add_eos_token": tok.add_eos_token}
+            (tmp / "flags.json").write_text(json.dumps(flags))
+
+        _publish(folder, write)
+    return AutoTokenizer.from_pretrained(str(folder), **json.loads((folder / "flags.json").read_text()))
 
 
 @pytest.fixture(scope="session")
