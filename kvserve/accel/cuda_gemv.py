@@ -74,8 +74,8 @@ class GemvChoice:
 
     def config(self, x: torch.Tensor, weight: torch.Tensor) -> GemvConfig | None:
         """The tiling for input x [..., K], or None where cuBLAS (or the module's own path) runs:
-        outside `graph_capture`, more rows than a bucket, autograd, dtypes
-        that differ, a compiled graph being traced."""
+        outside `graph_capture`, more rows than a bucket, autograd, dtypes that differ, a
+        compiled graph being traced."""
         if not _IN_GRAPH.get():
             return None
         rows = x.numel() // max(1, x.shape[-1])
