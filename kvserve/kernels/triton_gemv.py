@@ -5,15 +5,15 @@ At batch 1 a decoder layer's matmuls are matrix-vector products that stream the 
 cuBLAS reads the big ones near the bandwidth bound, but a Llama-1B step's small ones (q/k/v, o;
 8-13 MB) ran at 40-60% of it on an H200, and the activation between the MLP's two matmuls is a
 kernel of its own. Here each program streams BLOCK_N whole weight rows in BLOCK_K-wide tiles
-(fp32 products summed elementwise, reduced once at the end) for up to BLOCK_M rows of x at once, so the weight is
-read once for the rows. `gated_gemv` computes act(gate) * up (kernels/triton_ops.gated, the same
+(fp32 products summed elementwise, reduced once at the end) for up to BLOCK_M rows of x at
+once, so the weight is read once for the rows. `gated_gemv` computes act(gate) * up (kernels/triton_ops.gated, the same
 roundings as the separate kernel) for each tile of x as it loads it: the activation's kernel
 and its trip through memory go.
 
 Which tiles stream fastest depends on the GPU and the matrix: the engine times these configs
 against cuBLAS on the model's own weights, inside CUDA graphs, and keeps the fastest per weight
 shape (kvserve/accel/cuda_gemv.py). Each output row is computed alone, in one order: a row's
-result does not depend on the other rows of the batch.
+result does not depend on the other rows of its bucket (one row, or two to four).
 
 Under TRITON_INTERPRET=1 they run on the CPU, which is how the tests check them.
 """
