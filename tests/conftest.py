@@ -55,10 +55,11 @@ def _publish(folder: Path, write) -> Path:
     """`write(tmp)` fills a new folder that then appears at `folder` whole (a rename), so an
     interrupted session leaves nothing half-written for the next one to load."""
     import shutil
-    import tempfile
 
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
+    from kvserve.loading.cache import temp_sibling
+
+    tmp = temp_sibling(folder)
+    tmp.mkdir(parents=True)
     try:
         write(tmp)
         tmp.rename(folder)

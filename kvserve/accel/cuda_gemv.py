@@ -94,16 +94,10 @@ class GemvChoice:
 
 
 class GemvLinear(nn.Linear):
-    """An nn.Linear whose small-batch calls take the Triton tiling chosen for its shape."""
+    """An nn.Linear whose small-batch calls take the Triton tiling chosen for its shape (made by
+    `linear_sharing`: the layer's own parameters)."""
 
     gemv: GemvChoice
-
-    @classmethod
-    def wrapping(cls, linear: nn.Linear, choice: GemvChoice) -> GemvLinear:
-        """A GemvLinear holding `linear`'s own parameters (same tensors, same state_dict keys)."""
-        m = linear_sharing(cls, linear)
-        m.gemv = choice
-        return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.gemv.linear(x, self.weight, self.bias)
@@ -121,7 +115,7 @@ class GatedDown:
     def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
         """[..., I] halves of the gate/up output -> [..., hidden], or None (the MLP's own path)."""
         config = self.gemv.config(gate, self.down.weight)
-        if config is None or up.dtype != gate.dtype or gate.stride(-1) != 1 or up.stride(-1) != 1:
+        if config is None or up.dtype != gate.dtype:
             return None
         return _kernels().gated_gemv(gate, up, self.down.weight, self.down.bias, self.gelu_tanh, config)
 
@@ -151,7 +145,7 @@ def _members(model: nn.Module) -> dict[tuple[str, tuple[int, ...], bool], list[_
         return lambda choice: setattr(module, "gemv", choice)
 
     def set_o(attn):
-        return lambda choice: setattr(attn, "o_proj", GemvLinear.wrapping(attn.o_proj, choice))
+        return lambda choice: setattr(attn, "o_proj", linear_sharing(GemvLinear, attn.o_proj, gemv=choice))
 
     def set_down(mlp):
         return lambda choice: setattr(mlp, "down_gated", GatedDown(mlp.down_proj, mlp.gelu_tanh, choice))
@@ -247,10 +241,9 @@ def tune_small_batch_matmuls(model: nn.Module, timer: Callable[[Callable[[], Non
     records = []
     for (kind, shape, _), members in _members(model).items():
         choice = GemvChoice()
-        winner = None
         for rows in (1, max_rows):
             # Four rows try the one-row winner only: each tiling is a compile, and a device's minutes are few.
-            candidates = list(configs) if rows == 1 else [c for c in configs if c == winner]
+            candidates = list(configs) if rows == 1 else [c for c in (choice.by_rows[1],) if c is not None]
             rejected = [str(c) for c in candidates if not _agrees(kind, members, c, rows)]
             us = {CUBLAS: timer(_runner(kind, members, None, rows), len(members))}
             for config in candidates:
@@ -258,7 +251,6 @@ def tune_small_batch_matmuls(model: nn.Module, timer: Callable[[Callable[[], Non
                     us[str(config)] = timer(_runner(kind, members, config, rows), len(members))
             chosen = pick(us)
             choice.by_rows[rows] = next((c for c in candidates if str(c) == chosen), None)
-            winner = winner or choice.by_rows[rows]
             records.append({"kind": kind, "shape": list(shape), "rows": rows,
                             "us": {k: round(v, 2) for k, v in us.items()}, "chosen": chosen, "rejected": rejected})
             if rejected:

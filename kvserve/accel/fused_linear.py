@@ -34,14 +34,17 @@ class FusedLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-def linear_sharing(cls: type[nn.Linear], linear: nn.Linear) -> nn.Linear:
+def linear_sharing(cls: type[nn.Linear], linear: nn.Linear, **attrs) -> nn.Linear:
     """An instance of the nn.Linear subclass `cls` holding `linear`'s own parameters (the same
-    tensors under the same state_dict keys): how a fast path swaps a layer's forward."""
+    tensors under the same state_dict keys) and the fast path's `attrs`: how a fast path swaps a
+    layer's forward."""
     m = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
     m.weight = linear.weight
     if linear.bias is not None:
         m.bias = linear.bias
     m.train(linear.training)
+    for name, value in attrs.items():
+        setattr(m, name, value)
     return m
 
 

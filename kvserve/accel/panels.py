@@ -86,13 +86,6 @@ class PanelLinear(nn.Linear):
 
     panels: Panels | None  # None: packed with its siblings (fused_panels), called alone only for prefill
 
-    @classmethod
-    def wrapping(cls, linear: nn.Linear, panels: Panels) -> PanelLinear:
-        """A PanelLinear holding `linear`'s own parameters (same tensors, same state_dict keys)."""
-        m = linear_sharing(cls, linear)
-        m.panels = panels
-        return m
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = None if self.panels is None else self.panels.matmul(x, self.bias)
         return F.linear(x, self.weight, self.bias) if y is None else y
@@ -130,7 +123,7 @@ def use_panel_kernels(model: nn.Module, head_only: bool = False) -> int:
             panels = Panels.pack(m.weight)
             if panels is None:
                 continue
-            model.set_submodule(name, PanelLinear.wrapping(m, panels))
+            model.set_submodule(name, linear_sharing(PanelLinear, m, panels=panels))
             count += 1
     # q/k/v and gate/up as one call each: the k and v matrices alone are too small to stream fast.
     for m in () if head_only else model.modules():

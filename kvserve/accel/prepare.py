@@ -44,19 +44,25 @@ def prepare_model(model: nn.Module, device: str | torch.device, *, pack: bool = 
     if fuse_cuda and device.type == "cuda" and not low_bit:
         n = fuse_linear_projections(model)
         log.info("%s: %d projections fused for CUDA (q/k/v, gate/up)", what, n)
-        model.small_batch_tuning = []
-        use_cublas(model)  # (a model prepared before by another engine keeps no choice)
-        if pack:
-            t = time.perf_counter()
-            try:
-                model.small_batch_tuning = tune_small_batch_matmuls(model)
-            except Exception as exc:  # an optional speed-up: cuBLAS serves every product without it
-                use_cublas(model)
-                model.small_batch_tuning = [{"error": repr(exc)}]
-                log.warning("%s: small-batch matmul kernels not tuned (%r); cuBLAS for every matmul", what, exc)
-            else:
-                log.info("%s: small-batch matmul kernels chosen in %.1f s", what, time.perf_counter() - t)
+        if not pack:  # (a model prepared before by another engine keeps no choice)
+            use_cublas(model)
+            model.small_batch_tuning = []
+        elif not getattr(model, "small_batch_tuning", None):  # engines sharing a model time it once
+            _tune_small_batch(model, what)
 
+
+def _tune_small_batch(model: nn.Module, what: str) -> None:
+    """Choose each projection's small-batch kernel by timing (accel/cuda_gemv.py); on any
+    failure cuBLAS for every product, the error kept in the records."""
+    t = time.perf_counter()
+    try:
+        model.small_batch_tuning = tune_small_batch_matmuls(model)
+    except Exception as exc:  # an optional speed-up: cuBLAS serves every product without it
+        use_cublas(model)
+        model.small_batch_tuning = [{"error": repr(exc)}]
+        log.warning("%s: small-batch matmul kernels not tuned (%r); cuBLAS for every matmul", what, exc)
+    else:
+        log.info("%s: small-batch matmul kernels chosen in %.1f s", what, time.perf_counter() - t)
 
 def fast_path_nbytes(model: nn.Module) -> int:
     """Bytes the fast paths hold beside the weights: packed fp32 panels (each copy once) and the
