@@ -56,6 +56,19 @@ def test_compare_verdicts(cuda_check):
     assert cuda_check.compare(ref, [10, 11], 1e9).verdict == "mismatch"  # shorter: not rounding
 
 
+def test_kernel_table_sums_launches_and_time_per_step(cuda_check):
+    """The profiler's kernels of a replay, by name: a two-step replay halves every figure."""
+    class Event:
+        def __init__(self, name: str, us: float):
+            self.name, self.time_range = name, type("Range", (), {"elapsed_us": lambda _: us})()
+
+    events = [Event("gemv", 5.0), Event("norm", 1.0), Event("gemv", 7.0), Event("norm", 3.0), Event("x" * 90, 2.0)]
+    table = cuda_check.kernel_table(events, steps=2)
+    assert table == [{"kernel": "gemv", "launches_per_step": 1.0, "us_per_step": 6.0, "us_each": 6.0},
+                     {"kernel": "norm", "launches_per_step": 1.0, "us_per_step": 2.0, "us_each": 2.0},
+                     {"kernel": "x" * 80, "launches_per_step": 0.5, "us_per_step": 1.0, "us_each": 2.0}]
+
+
 def test_reference_file_round_trip(cuda_check, tiny_gemma, text, tmp_path):
     path = tmp_path / "ref.json"
     assert cuda_check.main(SMALL_RUN + ["--model", str(tiny_gemma), "--text", str(text),

@@ -95,6 +95,24 @@ def test_paged_decode_any_number_of_parts(parts):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_paged_decode_parts_leave_their_counters_at_zero():
+    """The last part of a (sequence, KV head) to arrive merges and zeroes its counter: a replayed
+    graph's next launch counts from 0 again, and a buffer outgrown stays alive for the graphs
+    captured with it."""
+    gen = torch.Generator().manual_seed(7)
+    lens = [40, 3, 200, 129]
+    tables, starts, lens_t = paged_batch(gen, lens, None, 16, 40)
+    k_pool, v_pool = torch.randn(640, 2, 32, generator=gen), torch.randn(640, 2, 32, generator=gen)
+    q = torch.randn(4, 4, 32, generator=gen)
+    inputs = on_device(q, k_pool, v_pool, tables, starts, lens_t)
+    first = ta.paged_decode(*inputs, 16, 0.2, parts=4)
+    counters = ta.arrival_counters(first.device, 0)
+    assert counters.count_nonzero() == 0
+    torch.testing.assert_close(ta.paged_decode(*inputs, 16, 0.2, parts=4), first, atol=0, rtol=0)
+    grown = ta.arrival_counters(first.device, counters.numel() + 1)
+    assert grown.numel() > counters.numel() and ta._arrived[first.device][-2] is counters
+
+
 PREFILL_CASES = [  # (heads, kv heads, head_dim, first_kv, first_q, T, window)
     (4, 4, 32, 0, 0, 37, None),  # a whole prompt
     (8, 2, 64, 0, 50, 45, None),  # a later chunk of a prompt (queries after cached positions)

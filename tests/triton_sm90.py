@@ -49,7 +49,7 @@ class _CompileOnlyDriver:
         return torch.device("cpu")
 
 
-compiled: list[tuple[str, int, int, int]] = []  # kernel, cubin bytes, registers, spilled bytes a thread
+compiled: list[tuple[str, int, int, int, str]] = []  # kernel, cubin bytes, registers, spilled bytes a thread, arrival
 _run = JITFunction.run
 
 
@@ -64,12 +64,29 @@ def _registers(ptx: str) -> tuple[int, int]:
     return int(re.search(r"Used (\d+) registers", info)[1]), int(re.search(r"(\d+) bytes spill stores", info)[1])
 
 
+def _arrival(ptx: str) -> str:
+    """How a kernel whose programs count their arrival (paged decode's last part merges) orders
+    it, from its PTX: 'ordered' where every thread's stores precede a barrier, then the counter's
+    add at GPU scope with acquire-release, then a barrier before the loads (from L2, .cg) of what
+    the others stored; '' for a kernel without atomics."""
+    atom = re.search(r"atom\.global\.gpu\.(\w+)\.add", ptx)
+    if atom is None:
+        return ""
+    before, after = ptx[:atom.start()], ptx[atom.end():]
+    stored_then_barrier = before.rfind("bar.sync") > before.rfind("st.global")
+    first_load = after.find("ld.global")
+    barrier_then_load = -1 < after.find("bar.sync") < first_load and after[first_load:].startswith("ld.global.cg")
+    ok = atom[1] == "acq_rel" and stored_then_barrier and barrier_then_load
+    return "ordered" if ok else "UNORDERED"
+
+
 def _compile_only(self, *args, grid, warmup, **kwargs):
     kernel = _run(self, *args, grid=grid, warmup=True, **kwargs)
     cubin = kernel.asm.get("cubin", b"")
     if not cubin:
         raise RuntimeError(f"{self.fn.__name__}: no cubin")
-    compiled.append((self.fn.__name__, len(cubin), *_registers(kernel.asm["ptx"])))
+    ptx = kernel.asm["ptx"]
+    compiled.append((self.fn.__name__, len(cubin), *_registers(ptx), _arrival(ptx)))
     return kernel
 
 
@@ -120,8 +137,8 @@ def compile_shape(s: Shape, dtype: torch.dtype, T: int = 3, block_size: int = 16
     tables = torch.arange(num_blocks, dtype=torch.int32).view(1, -1).repeat(T, 1)
     lens = torch.full((T,), 40, dtype=torch.int32)
     starts = torch.zeros(T, dtype=torch.int32)
-    triton_attention.paged_decode(q, k_pool, v_pool, tables, starts, lens, block_size, D ** -0.5, parts=4)
-    triton_attention.paged_decode(q, k_pool, v_pool, tables, starts, lens, block_size, D ** -0.5, parts=1)  # no merge
+    triton_attention.paged_decode(q, k_pool, v_pool, tables, starts, lens, block_size, D ** -0.5, parts=4)  # merged
+    triton_attention.paged_decode(q, k_pool, v_pool, tables, starts, lens, block_size, D ** -0.5, parts=1)
     triton_attention.paged_prefill(q, k_pool, v_pool, slots, 0, 0, s.window, D ** -0.5)  # 16-query programs
     chunk = torch.randn(40, H, D, dtype=dtype)
     triton_attention.paged_prefill(chunk, k_pool, v_pool, torch.arange(40), 0, 0, s.window, D ** -0.5)  # 32-query
@@ -162,9 +179,9 @@ def main() -> int:
         except Exception as exc:  # the failing kernel's compiler message is the point
             print(f"FAILED {shape.name} {dtype}: {type(exc).__name__}: {exc}", flush=True)
             return 1
-        for name, size, regs, spilled in compiled[start:]:
+        for name, size, regs, spilled, arrival in compiled[start:]:
             print(f"{shape.name} {str(dtype).removeprefix('torch.')} {name}: cubin {size} bytes, {regs} registers, "
-                  f"spills {spilled} bytes", flush=True)
+                  f"spills {spilled} bytes" + (f", arrival {arrival}" if arrival else ""), flush=True)
     print(f"{len(compiled)} kernels compiled in {len(CASES)} cases", flush=True)
     return 0
 

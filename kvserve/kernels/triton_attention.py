@@ -5,11 +5,11 @@ Two kernels, the GPU counterparts of paged_attention.c and prefill_attention.c:
 - `paged_decode`: one query token per sequence. Each program takes one (sequence, KV head,
   part) and walks a contiguous part of that sequence's attended positions [start, len), scoring
   the G query heads that share the KV head against every K row (GQA/MQA without repeated K/V).
-  The parts' (max, sum, weighted V) are merged by a second kernel (flash-decoding), so batch-1
-  decode spreads one context over many SMs; with one part (a batch that fills the SMs alone)
-  the program writes the output itself and no merge runs. The number of parts is fixed per call and each
-  program derives its range from `lens` in memory: a CUDA graph captured once replays for any
-  context length.
+  The parts' (max, sum, weighted V) are merged (flash-decoding) by the last of them to finish,
+  which an atomic counter tells, so batch-1 decode spreads one context over many SMs in one
+  launch; with one part (a batch that fills the SMs alone) the program writes the output itself.
+  The number of parts is fixed per call and each program derives its range from `lens` in
+  memory: a CUDA graph captured once replays for any context length.
 - `paged_prefill`: one sequence's chunk of queries against its context, read through its slots
   (`SeqAttention.ctx_slots`), under the causal and sliding-window predicates.
 
@@ -48,18 +48,37 @@ def _softmax_step(s, v, acc, m, l):
     return acc, m_new, l * alpha + tl.sum(p, axis=1)
 
 
+@triton.jit
+def _merge_parts(part_out_ptr, part_m_ptr, part_l_ptr, row0, parts, out_ptrs,
+                 D: tl.constexpr, MAX_PARTS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One head's output from its parts' partials, rows row0 .. row0 + parts - 1. The loads skip
+    L1 (.cg): the partials were written by other SMs during this launch."""
+    p = tl.arange(0, MAX_PARTS)
+    d = tl.arange(0, BLOCK_D)
+    p_ok = p < parts
+    row = row0 + p
+    m = tl.load(part_m_ptr + row, mask=p_ok, other=float("-inf"), cache_modifier=".cg")
+    l = tl.load(part_l_ptr + row, mask=p_ok, other=0.0, cache_modifier=".cg")
+    m_all = tl.max(m, axis=0)
+    w = tl.where(l > 0, tl.exp(m - m_all), 0.0)  # empty parts weigh nothing
+    acc = tl.load(part_out_ptr + row[:, None] * D + d[None, :], mask=p_ok[:, None] & (d[None, :] < D), other=0.0,
+                  cache_modifier=".cg")
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(out_ptrs + d, out.to(out_ptrs.dtype.element_ty), mask=d < D)
+
+
 @triton.jit(do_not_specialize=["parts"])  # one compile for every part count
 def _decode_part_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, starts_ptr, lens_ptr,
-    part_out_ptr, part_m_ptr, part_l_ptr, out_ptr,
+    part_out_ptr, part_m_ptr, part_l_ptr, arrived_ptr, out_ptr,
     scale,
     stride_qb, stride_qh,
     stride_ks, stride_kh,
     stride_vs, stride_vh,
     stride_tb, stride_ob, stride_oh, parts,
-    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, KVH: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, ONE_PART: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, ONE_PART: tl.constexpr, MAX_PARTS: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -105,27 +124,18 @@ def _decode_part_kernel(
         tl.store(part_m_ptr + row, m, mask=g_ok)
         tl.store(part_l_ptr + row, l, mask=g_ok)
         tl.store(part_out_ptr + row[:, None] * D + d[None, :], acc, mask=gd_ok)
-
-
-@triton.jit(do_not_specialize=["parts"])
-def _decode_merge_kernel(
-    part_out_ptr, part_m_ptr, part_l_ptr, out_ptr,
-    stride_ob, stride_oh, parts,
-    H: tl.constexpr, D: tl.constexpr, MAX_PARTS: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    p = tl.arange(0, MAX_PARTS)
-    d = tl.arange(0, BLOCK_D)
-    p_ok = p < parts
-    row = (b * H + h) * parts + p
-    m = tl.load(part_m_ptr + row, mask=p_ok, other=float("-inf"))
-    l = tl.load(part_l_ptr + row, mask=p_ok, other=0.0)
-    m_all = tl.max(m, axis=0)
-    w = tl.where(l > 0, tl.exp(m - m_all), 0.0)  # empty parts weigh nothing
-    acc = tl.load(part_out_ptr + row[:, None] * D + d[None, :], mask=p_ok[:, None] & (d[None, :] < D), other=0.0)
-    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+        # The last of the (sequence, KV head)'s parts to finish merges them (no second kernel).
+        # Every thread's stores precede the barrier; the counter's release (one thread) then
+        # publishes them all, and its acquire orders the last program's loads after the others'
+        # stores. That program sets the counter back to 0 for the next launch.
+        tl.debug_barrier()
+        counter = arrived_ptr + b * KVH + kvh
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == parts - 1:
+            for gi in range(G):
+                h = kvh * G + gi
+                _merge_parts(part_out_ptr, part_m_ptr, part_l_ptr, (b * H + h) * parts, parts,
+                             out_ptr + b * stride_ob + h * stride_oh, D=D, MAX_PARTS=MAX_PARTS, BLOCK_D=BLOCK_D)
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit(do_not_specialize=["T", "first_kv", "first_q", "window"])  # one compile for every chunk
@@ -243,23 +253,40 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ta
     out = torch.empty_like(q)
     if B == 0:
         return out
-    one_part = parts == 1  # (a large batch fills the SMs alone: no partials, no merge kernel)
+    one_part = parts == 1  # (a large batch fills the SMs alone: no partials, no merge)
     rows = 0 if one_part else B * H * parts
     part_out = torch.empty(rows, D, dtype=torch.float32, device=q.device)
     part_m = torch.empty(rows, dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
+    arrived = part_m if one_part else arrival_counters(q.device, B * kvh)
     block_d = _pow2(D, 16)
     tiles = decode_tiles(D)
     _decode_part_kernel[(B, kvh, parts)](
-        q, k_pool, v_pool, tables, starts, lens, part_out, part_m, part_l, out, scale,
+        q, k_pool, v_pool, tables, starts, lens, part_out, part_m, part_l, arrived, out, scale,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-        tables.stride(0), out.stride(0), out.stride(1), parts, H=H, G=G, D=D, BLOCK_G=_pow2(G, 16),
-        BLOCK_D=block_d, BLOCK_N=tiles.block_n, BLOCK_SIZE=block_size, ONE_PART=one_part,
+        tables.stride(0), out.stride(0), out.stride(1), parts, H=H, G=G, D=D, KVH=kvh, BLOCK_G=_pow2(G, 16),
+        BLOCK_D=block_d, BLOCK_N=tiles.block_n, BLOCK_SIZE=block_size, ONE_PART=one_part, MAX_PARTS=MAX_PARTS,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-    if not one_part:
-        _decode_merge_kernel[(B, H)](part_out, part_m, part_l, out, out.stride(0), out.stride(1), parts,
-                                     H=H, D=D, MAX_PARTS=MAX_PARTS, BLOCK_D=block_d)
     return out
+
+
+# Per device, every counter buffer made so far, the newest last: a captured graph keeps the
+# address it was captured with, so a buffer outgrown is kept, never freed.
+_arrived: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least n int32 zeros that outlive the call: the parts of a (sequence, KV head) count
+    their arrivals there, and the last sets its counter back to 0. One buffer per device, shared
+    by every launch: launches on one stream run one after another. It grows outside CUDA graph
+    capture only (a graph's warm-up runs its shapes first)."""
+    bufs = _arrived.setdefault(device, [])
+    if not bufs or bufs[-1].numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"paged_decode needs {n} arrival counters during CUDA graph capture; "
+                               "run the captured shapes once before capturing")
+        bufs.append(torch.zeros(max(n, 1024), dtype=torch.int32, device=device))
+    return bufs[-1]
 
 
 def paged_prefill(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,

@@ -262,7 +262,21 @@ def graph_kernels(llm: LLM, device: str, multi: bool = False) -> dict | None:
         return None
     steps = graphs.num_steps if multi else 1
     return {"kernels_per_step": len(kernels) / steps,
-            "kernel_us_per_step": sum(e.time_range.elapsed_us() for e in kernels) / steps}
+            "kernel_us_per_step": sum(e.time_range.elapsed_us() for e in kernels) / steps,
+            "by_kernel": kernel_table(kernels, steps)}
+
+
+def kernel_table(kernels, steps: int, top: int = 30) -> list[dict]:
+    """Per kernel name (cut to 80 characters), launches and summed GPU time a step, the longest
+    first: where the step's time goes, and how much of it is small kernels."""
+    rows: dict[str, list[float]] = {}
+    for e in kernels:
+        row = rows.setdefault(e.name[:80], [0, 0.0])
+        row[0] += 1
+        row[1] += e.time_range.elapsed_us()
+    ranked = sorted(rows.items(), key=lambda kv: kv[1][1], reverse=True)[:top]
+    return [{"kernel": name, "launches_per_step": n / steps, "us_per_step": round(us / steps, 2),
+             "us_each": round(us / n, 2)} for name, (n, us) in ranked]
 
 
 def decode_only_speed(llm: LLM, vocab: int, bos: int | None, repeats: int, output_len: int) -> dict:
