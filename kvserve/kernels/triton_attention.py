@@ -33,6 +33,8 @@ BLOCK_M = 32
 # Decode parts per (sequence, KV head) aim for this many programs per SM.
 PROGRAMS_PER_SM = 2
 MAX_PARTS = 32
+# Partials (parts x head_dim, fp32) the last part of a decode context loads at once.
+MERGE_ELEMENTS = 8192
 
 
 @triton.jit
@@ -49,22 +51,29 @@ def _softmax_step(s, v, acc, m, l):
 
 
 @triton.jit
-def _merge_parts(part_out_ptr, part_m_ptr, part_l_ptr, row0, parts, out_ptrs,
-                 D: tl.constexpr, MAX_PARTS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One head's output from its parts' partials, rows row0 .. row0 + parts - 1. The loads skip
-    L1 (.cg): the partials were written by other SMs during this launch."""
+def _merge_parts(part_out_ptr, part_m_ptr, part_l_ptr, out_ptr, b, stride_ob, stride_oh, first_head, parts,
+                 H: tl.constexpr, G: tl.constexpr, G0: tl.constexpr, D: tl.constexpr, HEADS: tl.constexpr,
+                 MAX_PARTS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The outputs of sequence b's heads first_head + G0 .. + G0 + HEADS - 1 (those of its KV
+    head's G) from their parts' partials, every load issued at once (one trip to L2, not one a
+    head). The loads skip L1 (.cg): the partials were written by other SMs during this launch."""
+    g = G0 + tl.arange(0, HEADS)
+    h = first_head + g
     p = tl.arange(0, MAX_PARTS)
     d = tl.arange(0, BLOCK_D)
-    p_ok = p < parts
-    row = row0 + p
-    m = tl.load(part_m_ptr + row, mask=p_ok, other=float("-inf"), cache_modifier=".cg")
-    l = tl.load(part_l_ptr + row, mask=p_ok, other=0.0, cache_modifier=".cg")
-    m_all = tl.max(m, axis=0)
-    w = tl.where(l > 0, tl.exp(m - m_all), 0.0)  # empty parts weigh nothing
-    acc = tl.load(part_out_ptr + row[:, None] * D + d[None, :], mask=p_ok[:, None] & (d[None, :] < D), other=0.0,
-                  cache_modifier=".cg")
-    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
-    tl.store(out_ptrs + d, out.to(out_ptrs.dtype.element_ty), mask=d < D)
+    ok = (g < G)[:, None] & (p < parts)[None, :]  # [HEADS, MAX_PARTS]
+    row = (b * H + h)[:, None] * parts + p[None, :]
+    m = tl.load(part_m_ptr + row, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    l = tl.load(part_l_ptr + row, mask=ok, other=0.0, cache_modifier=".cg")
+    acc = tl.load(part_out_ptr + row[:, :, None] * D + d[None, None, :], mask=ok[:, :, None] & (d < D)[None, None, :],
+                  other=0.0, cache_modifier=".cg")
+    m_all = tl.max(m, axis=1)
+    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)  # (a padding head: no part at all)
+    w = tl.where(l > 0, tl.exp(m - m_all[:, None]), 0.0)  # empty parts weigh nothing
+    total = tl.sum(l * w, axis=1)
+    out = tl.sum(acc * w[:, :, None], axis=1) / tl.where(total > 0, total, 1.0)[:, None]  # [HEADS, BLOCK_D]
+    tl.store(out_ptr + b * stride_ob + h[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=(g < G)[:, None] & (d < D)[None, :])
 
 
 @triton.jit(do_not_specialize=["parts"])  # one compile for every part count
@@ -78,7 +87,7 @@ def _decode_part_kernel(
     stride_tb, stride_ob, stride_oh, parts,
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, KVH: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, ONE_PART: tl.constexpr, MAX_PARTS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, ONE_PART: tl.constexpr, MAX_PARTS: tl.constexpr, MERGE_HEADS: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -131,10 +140,9 @@ def _decode_part_kernel(
         tl.debug_barrier()
         counter = arrived_ptr + b * KVH + kvh
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == parts - 1:
-            for gi in range(G):
-                h = kvh * G + gi
-                _merge_parts(part_out_ptr, part_m_ptr, part_l_ptr, (b * H + h) * parts, parts,
-                             out_ptr + b * stride_ob + h * stride_oh, D=D, MAX_PARTS=MAX_PARTS, BLOCK_D=BLOCK_D)
+            for g0 in tl.static_range(0, G, MERGE_HEADS):
+                _merge_parts(part_out_ptr, part_m_ptr, part_l_ptr, out_ptr, b, stride_ob, stride_oh, kvh * G, parts,
+                             H=H, G=G, G0=g0, D=D, HEADS=MERGE_HEADS, MAX_PARTS=MAX_PARTS, BLOCK_D=BLOCK_D)
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
@@ -214,6 +222,12 @@ def prefill_tiles(head_dim: int) -> Tiles:
     return Tiles(32 if head_dim <= 128 else 16, num_warps=8, num_stages=1)
 
 
+def merge_heads(G: int, block_d: int) -> int:
+    """Heads the last part merges at once: all G where their partials fit 8192 fp32 elements (64
+    registers a thread at 4 warps), else fewer (a power of two)."""
+    return max(1, min(_pow2(G), MERGE_ELEMENTS // (MAX_PARTS * block_d)))
+
+
 def _pow2(n: int, least: int = 1) -> int:
     return max(least, triton.next_power_of_2(n))
 
@@ -266,6 +280,7 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ta
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         tables.stride(0), out.stride(0), out.stride(1), parts, H=H, G=G, D=D, KVH=kvh, BLOCK_G=_pow2(G, 16),
         BLOCK_D=block_d, BLOCK_N=tiles.block_n, BLOCK_SIZE=block_size, ONE_PART=one_part, MAX_PARTS=MAX_PARTS,
+        MERGE_HEADS=merge_heads(G, block_d),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 
