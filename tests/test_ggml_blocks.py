@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from gguf.quants import dequantize as gguf_dequantize
 
 from kvserve import kernels
+from kvserve.loading import gguf as gguf_loading
 from kvserve.weights.ggml import (
     GEMV_MAX_ROWS,
     GGML_TYPES,
@@ -60,6 +61,25 @@ def test_every_type_dequantizes_to_the_gguf_packages_values(t):
     assert got is not None
     assert torch.equal(got, torch.from_numpy(want[[3, 0, 6, 3]]))
     assert torch.equal(layer.dequantized_weight(), torch.from_numpy(want))
+
+
+@pytest.mark.parametrize("t", GGML_TYPES, ids=lambda t: t.name)
+def test_the_fp32_conversion_takes_the_kernels_values(t, monkeypatch):
+    """A GGUF's conversion to fp32 (loading/gguf.py `dequantized`) dequantizes blocks in C, a
+    matrix and a stack of experts alike, to the gguf package's values; only the plain types are
+    left to the package."""
+    raw = random_blocks(t, 6, _cols(t))
+    data = raw.view(np.float32) if t == T.F32 else raw.view(np.float16) if t == T.F16 else raw  # as GGUFTensor.data
+    wants = [np.asarray(gguf_dequantize(d, t), dtype=np.float32) for d in (data, data.reshape(2, 3, -1))]
+
+    def plain_only(d, qtype):
+        assert qtype in (T.F32, T.F16), f"{qtype.name} went to the gguf package"
+        return gguf_dequantize(d, qtype)
+
+    monkeypatch.setattr(gguf_loading, "dequantize", plain_only)
+    for d, want in zip((data, data.reshape(2, 3, -1)), wants):
+        got = gguf_loading.dequantized(d, t, _cols(t))
+        assert got.dtype == np.float32 and got.shape == want.shape and np.array_equal(got, want)
 
 
 @pytest.mark.parametrize("t", GGML_TYPES, ids=lambda t: t.name)
