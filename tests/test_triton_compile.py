@@ -41,6 +41,9 @@ def test_every_triton_kernel_compiles_for_sm90():
     # fp32; one and four rows, plain and with the activation in front; one with a bias.
     bf16 = sum(" bfloat16 " in ln for ln in gemv)
     assert bf16 == 3 * (4 * len(CONFIGS) + 1) and len(gemv) - bf16 == 2 * 5, gemv
+    # An eager step's tables and slots, views of any width at any offset, reuse one kernel.
+    once = [ln for ln in r.stdout.splitlines() if "one kernel for" in ln or "RECOMPILED" in ln]
+    assert len(once) == 3 and all(ln.startswith("one kernel for") for ln in once), once
     for kernel in KERNELS:
         assert sum(f" {kernel}: " in ln for ln in lines) >= cases, kernel
     # The tiles measured on the H200 (head_dim 64) spill 200-300 bytes a thread; the ones that

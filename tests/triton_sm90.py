@@ -80,8 +80,12 @@ def _arrival(ptx: str) -> str:
     return "ordered" if ok else "UNORDERED"
 
 
+launched: list[object] = []  # every launch's compiled kernel (the same object when Triton reuses it)
+
+
 def _compile_only(self, *args, grid, warmup, **kwargs):
     kernel = _run(self, *args, grid=grid, warmup=True, **kwargs)
+    launched.append(kernel)
     cubin = kernel.asm.get("cubin", b"")
     if not cubin:
         raise RuntimeError(f"{self.fn.__name__}: no cubin")
@@ -165,6 +169,48 @@ def compile_gemv(s: Shape, dtype: torch.dtype, configs) -> None:
     triton_gemv.gemv(torch.randn(1, s.hidden, dtype=dtype), w_qkv, torch.randn(qkv_rows, dtype=dtype), configs[0])
 
 
+def eager_launches_compile_once() -> list[str]:
+    """Eager steps hand the attention kernels block tables and slots as views at any offset and of
+    any width (the step's longest context): each kernel must compile once for all of them, not
+    once more in the middle of a run when a view lands off a 16-byte boundary or a width is a
+    multiple of 16 (or 1); likewise the K/V write's slots. Lines 'one kernel for N launches: NAME'
+    or 'RECOMPILED ...'."""
+    from kvserve.kernels import triton_attention, triton_ops
+
+    H, KVH, D, bs = 32, 8, 64, 16
+    dtype = torch.bfloat16
+    pool = torch.randn(64 * bs, KVH, D, dtype=dtype)
+    lines = []
+    start = len(launched)
+    for B, width, group in ((3, 37, 1), (2, 16, 0), (5, 1, 1), (4, 48, 1), (1, 5, 0)):
+        tables = torch.zeros(2, B, width, dtype=torch.int32)[group]  # one group's view of [groups, B, width]
+        lens = torch.full((B,), min(width * bs, 40), dtype=torch.int32)
+        q = torch.randn(B, H, D, dtype=dtype)
+        triton_attention.paged_decode(q, pool, pool, tables, torch.zeros_like(lens), lens, bs, 0.1, parts=4)
+    lines.append(_once("_decode_part_kernel", launched[start:]))
+    start = len(launched)
+    all_slots = torch.arange(200)
+    for first, T in ((0, 40), (1, 33), (3, 17), (16, 100)):  # (past 16 queries: one tile height)
+        q = torch.randn(T, H, D, dtype=dtype)
+        triton_attention.paged_prefill(q, pool, pool, all_slots[first:first + T + 10], 10, 10, None, 0.1)
+    lines.append(_once("_prefill_kernel", launched[start:]))
+    start = len(launched)
+    for first, T in ((0, 40), (1, 33), (3, 2)):  # the K/V write's slots: one group's of [groups, T]
+        qkv = torch.randn(T, (H + 2 * KVH) * D, dtype=dtype)
+        q, k, v = (t.view(T, -1, D) for t in qkv.split([H * D, KVH * D, KVH * D], dim=-1))
+        cos = torch.randn(T, D, dtype=dtype)
+        triton_ops.qk_norm_rope(q, k, v, None, None, cos, cos, pool, pool, all_slots[first:first + T])
+    lines.append(_once("_qk_norm_rope_kernel", launched[start:]))
+    return lines
+
+
+def _once(name: str, kernels: list[object]) -> str:
+    distinct = len({id(k) for k in kernels})
+    if distinct == 1:
+        return f"one kernel for {len(kernels)} launches: {name}"
+    return f"RECOMPILED {name}: {distinct} kernels for {len(kernels)} launches"
+
+
 # bf16 is the speed dtype on CUDA; fp32 runs the exactness check (the bundled model and Llama-1B).
 CASES = [(s, torch.bfloat16) for s in SHAPES] + [(s, torch.float32) for s in SHAPES[:2]]
 
@@ -183,6 +229,8 @@ def main() -> int:
             print(f"{shape.name} {str(dtype).removeprefix('torch.')} {name}: cubin {size} bytes, {regs} registers, "
                   f"spills {spilled} bytes" + (f", arrival {arrival}" if arrival else ""), flush=True)
     print(f"{len(compiled)} kernels compiled in {len(CASES)} cases", flush=True)
+    for line in eager_launches_compile_once():
+        print(line, flush=True)
     return 0
 
 

@@ -76,7 +76,11 @@ def _merge_parts(part_out_ptr, part_m_ptr, part_l_ptr, out_ptr, b, stride_ob, st
              mask=(g < G)[:, None] & (d < D)[None, :])
 
 
-@triton.jit(do_not_specialize=["parts"])  # one compile for every part count
+# One compile for every part count and every eager step's tables: a view of [groups, B, width]
+# at any offset, which Triton would otherwise specialise on (a width of 1 or a multiple of 16, a
+# 16-byte-aligned address). Those pointers are read a scalar at a time: nothing to vectorise.
+@triton.jit(do_not_specialize=["parts", "stride_tb"],
+            do_not_specialize_on_alignment=["tables_ptr", "starts_ptr", "lens_ptr"])
 def _decode_part_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, starts_ptr, lens_ptr,
     part_out_ptr, part_m_ptr, part_l_ptr, arrived_ptr, out_ptr,
@@ -146,7 +150,8 @@ def _decode_part_kernel(
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
-@triton.jit(do_not_specialize=["T", "first_kv", "first_q", "window"])  # one compile for every chunk
+# One compile for every chunk: its length and offsets, and its slots (a slice at any offset).
+@triton.jit(do_not_specialize=["T", "first_kv", "first_q", "window"], do_not_specialize_on_alignment=["slots_ptr"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, slots_ptr, out_ptr,
     T, first_kv, first_q, window, scale,

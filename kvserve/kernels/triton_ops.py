@@ -127,7 +127,7 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, eps, stride_xt, s
                     sin_ptr + t * stride_ct, out_ptr + t * stride_ot + h * stride_oh, D, HALF_BLOCK, NORM, OFFSET)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slots_ptr"])  # (a group's slots: a view at any offset)
 def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, q_out_ptr, k_pool_ptr, v_pool_ptr,
                          slots_ptr, eps_q, eps_k, H,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct,
