@@ -143,9 +143,9 @@ def compile_shape(s: Shape, dtype: torch.dtype, T: int = 3, block_size: int = 16
     starts = torch.zeros(T, dtype=torch.int32)
     triton_attention.paged_decode(q, k_pool, v_pool, tables, starts, lens, block_size, D ** -0.5, parts=4)  # merged
     triton_attention.paged_decode(q, k_pool, v_pool, tables, starts, lens, block_size, D ** -0.5, parts=1)
-    triton_attention.paged_prefill(q, k_pool, v_pool, slots, 0, 0, s.window, D ** -0.5)  # 16-query programs
+    triton_attention.paged_prefill(q, k_pool, v_pool, slots, 0, 0, s.window, D ** -0.5)  # a short chunk
     chunk = torch.randn(40, H, D, dtype=dtype)
-    triton_attention.paged_prefill(chunk, k_pool, v_pool, torch.arange(40), 0, 0, s.window, D ** -0.5)  # 32-query
+    triton_attention.paged_prefill(chunk, k_pool, v_pool, torch.arange(40), 0, 0, s.window, D ** -0.5)  # two tiles
     from kvserve.kernels.triton_gemv import CONFIGS
 
     compile_gemv(s, dtype, CONFIGS if dtype == torch.bfloat16 else CONFIGS[:1])  # fp32: the exactness check
@@ -190,7 +190,7 @@ def eager_launches_compile_once() -> list[str]:
     lines.append(_once("_decode_part_kernel", launched[start:]))
     start = len(launched)
     all_slots = torch.arange(200)
-    for first, T in ((0, 40), (1, 33), (3, 17), (16, 100)):  # (past 16 queries: one tile height)
+    for first, T in ((0, 40), (1, 33), (3, 5), (16, 100)):
         q = torch.randn(T, H, D, dtype=dtype)
         triton_attention.paged_prefill(q, pool, pool, all_slots[first:first + T + 10], 10, 10, None, 0.1)
     lines.append(_once("_prefill_kernel", launched[start:]))

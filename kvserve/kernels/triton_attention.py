@@ -322,11 +322,13 @@ def paged_prefill(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, s
         out = torch.empty_like(q)
     if T == 0:
         return out
-    block_m = min(BLOCK_M, _pow2(T, 16))
     tiles = prefill_tiles(D)
-    _prefill_kernel[(triton.cdiv(T, block_m), H)](
+    # One tile height for every chunk (a short one's masked rows cost little: the K/V tiles are
+    # read either way): a second height would be a second compile, in the middle of a run the first
+    # time a chunk of 16 queries or fewer comes.
+    _prefill_kernel[(triton.cdiv(T, BLOCK_M), H)](
         q, k_pool, v_pool, slots, out, T, first_kv, first_q, window or 0, scale,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-        out.stride(0), out.stride(1), G=G, D=D, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_D=_pow2(D, 16),
+        out.stride(0), out.stride(1), G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=tiles.block_n, BLOCK_D=_pow2(D, 16),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
