@@ -94,6 +94,7 @@ def test_cpu_dry_run_of_the_bundled_model_path(cuda_check, tiny_gemma, text, tmp
     assert speed["kvserve"]["decode_batch1_tok_s"] > 0 and speed["kvserve"]["offline_output_tok_s"] > 0
     runs = speed["kvserve"]["offline_seconds_runs"]  # twice: a first run's one-time costs show
     assert len(runs) == 2 and speed["kvserve"]["offline_seconds"] == min(runs)
+    assert speed["kvserve"]["offline_triton_compiles"] == [{}, {}]  # (C kernels on the CPU; the hook: test_triton_compile)
     prof = speed["kvserve"]["offline_host_profile"]
     assert prof["engine_steps"] >= 8 and prof["ms_per_step"] > 0  # (3 requests of 32-256 tokens)
     assert len(prof["top_own_time"]) == 20 and all(r["calls"] > 0 for r in prof["top_own_time"])

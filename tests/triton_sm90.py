@@ -231,6 +231,12 @@ def main() -> int:
     print(f"{len(compiled)} kernels compiled in {len(CASES)} cases", flush=True)
     for line in eager_launches_compile_once():
         print(line, flush=True)
+    from kvserve.kernels.triton_gemv import CONFIGS
+    from kvserve.tools.bench.cuda_check import triton_compiles
+
+    with triton_compiles() as counts:  # the GPU check's count of compiles inside a measured run
+        compile_gemv(SHAPES[1], torch.float16, CONFIGS[:1])
+    print(f"compiles counted: {counts}", flush=True)
     return 0
 
 

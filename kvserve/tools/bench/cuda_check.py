@@ -41,6 +41,7 @@ import sys
 import tempfile
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -193,10 +194,38 @@ def kvserve_speed(llm: LLM, vocab: int, bos: int | None, device: str, repeats: i
         off = make_workload(offline_requests, INPUT_RANGE, OUTPUT_RANGE, vocab, bos, 0)
         warm = make_workload(8, INPUT_RANGE, (8, 8), vocab, bos, 1)  # kernels of every step shape compiled
         llm.generate(warm.prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-        runs = [offline_seconds(llm, off, device) for _ in range(2)]  # a first run much slower: one-time costs
+        runs, compiles = [], []
+        for _ in range(2):  # a first run much slower than the second: one-time costs inside it
+            with triton_compiles() as compiled:
+                runs.append(offline_seconds(llm, off, device))
+            compiles.append(compiled)
         out.update(offline_requests=offline_requests, offline_output_tok_s=off.output_tokens / min(runs),
-                   offline_seconds=min(runs), offline_seconds_runs=runs)
+                   offline_seconds=min(runs), offline_seconds_runs=runs, offline_triton_compiles=compiles)
     return out
+
+
+@contextmanager
+def triton_compiles():
+    """Yields a dict that fills, per kernel name, with the Triton kernels compiled (or read from
+    Triton's disk cache) inside the block: a kernel variant made in the middle of a measured run
+    costs it seconds. None where Triton or its compile hook is missing."""
+    try:
+        from triton import knobs  # (CUDA builds of torch bring Triton; its knobs are Triton >= 3.4)
+    except ImportError:
+        yield None
+        return
+    counts: dict[str, int] = {}
+
+    def hook(**kw) -> None:  # (returns None: a true value would skip the compile)
+        name = getattr(kw.get("fn"), "name", None) or str(kw.get("repr", "?")).split("[")[0]
+        counts[name] = counts.get(name, 0) + 1
+
+    previous = knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_post_compile_hook = hook
+    try:
+        yield counts
+    finally:
+        knobs.runtime.jit_post_compile_hook = previous
 
 
 def offline_seconds(llm: LLM, off, device: str) -> float:
