@@ -15,8 +15,9 @@ For each:
    or is computed here.
 2. Speed in bf16 (the CUDA default): batch-1 decode tok/s (graphs, and eager for the graphs'
    share), TTFT of a fresh 512-token prompt, and the offline workload of `kvserve bench
-   throughput` (64 requests, inputs 32-512, outputs 32-256, seed 0; once more under cProfile for
-   where the host's time goes), all again with multi-step graph runs (--num-scheduler-steps);
+   throughput` (64 requests, inputs 32-512, outputs 32-256, seed 0; timed twice, with the Triton
+   compiles inside each run counted, then once more under cProfile for where the host's time
+   goes), all again with multi-step graph runs (--num-scheduler-steps);
    batch-1 decode again with cuBLAS for every matmul (pack_weights=False), beside the small-batch
    kernels the engine chose by timing and those timings; HF transformers on the same
    device and weights in bf16 (`generate`, greedy, its default cache and SDPA attention) for
