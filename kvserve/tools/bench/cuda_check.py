@@ -213,6 +213,8 @@ def triton_compiles():
     try:
         from triton import knobs  # (CUDA builds of torch bring Triton; its knobs are Triton >= 3.4)
     except ImportError:
+        knobs = None
+    if knobs is None or not hasattr(knobs.runtime, "jit_post_compile_hook"):
         yield None
         return
     counts: dict[str, int] = {}
