@@ -40,6 +40,17 @@ def _screen(w: torch.Tensor, x: torch.Tensor, cap: int = kernels.SCREEN_CAP) -> 
 
 
 @needs_screen
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_head_with_a_non_finite_weight_gets_no_screen(bad):
+    """The screen's bounds need finite weights: one NaN or infinity anywhere (found while the
+    screen is packed) and there is none; the caller computes full logits."""
+    w = torch.randn(300, 40, generator=torch.Generator().manual_seed(1))
+    assert kernels.pack_head_screen(Panels.pack(w).packed, 300) is not None
+    w[217, 31] = bad
+    assert kernels.pack_head_screen(Panels.pack(w).packed, 300) is None
+
+
+@needs_screen
 @pytest.mark.parametrize("v, k, m", [(1000, 64, 1), (4099, 33, 7), (517, 640, 13), (3001, 96, 23), (20000, 128, 64),
                                      (16, 2, 3)])
 def test_screen_equals_the_full_argmax(v, k, m):

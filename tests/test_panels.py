@@ -28,6 +28,21 @@ def test_panel_matmul_equals_torch_and_is_batch_invariant(n, k):
         assert torch.equal(kernels.panel_matmul(x[rows], packed, n), y[rows])
 
 
+@needs_panels
+def test_panels_pack_any_layout_of_the_weight_alike():
+    """Column-major weights (as the loader keeps them) and strided views pack, without a
+    contiguous copy, to the very panels of the contiguous weight."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(70, 45, generator=g)
+    want = kernels.pack_panels(w)
+    column_major = w.t().contiguous().t()
+    assert column_major.stride() == (1, 70)
+    assert torch.equal(kernels.pack_panels(column_major), want)
+    wide = torch.randn(70, 90, generator=g)
+    wide[:, ::2] = w
+    assert torch.equal(kernels.pack_panels(wide[:, ::2]), want)
+
+
 @pytest.mark.parametrize("shape", [(64, 4099), (1, 262144), (3, 17), (2, 1), (5, 15)])
 def test_argmax_rows_equals_torch_max(shape):
     g = torch.Generator().manual_seed(shape[1])

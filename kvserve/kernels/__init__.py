@@ -141,10 +141,10 @@ _SIGNATURES: dict[str, dict[str, tuple[list, object]]] = {
     "decode_step": {"decode_layers": ([_P, _P, _P, _I, _P], ctypes.c_int)},  # accel/decode_plan.py
     "ssm_decode": {"ssm_decode": ([_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I], None)},  # Mamba2
     "panel_gemm": {"panel_width": ([], ctypes.c_int),  # fp32 decode-step matmuls on packed weights
-                   "pack_panels": ([_P, _P, _I, _I, _I], None),
+                   "pack_panels": ([_P, _P, _I, _I, _L, _L, _I], None),
                    "panel_gemm": ([_P, _P, _P, _I, _I, _I, _I], None)},
     "greedy_head": {"screen_available": ([], ctypes.c_int),  # exact greedy tokens of an fp32 head
-                    "screen_pack": ([_P, _I, _P, _P, _P, _P, _I, _I, _I], None),
+                    "screen_pack": ([_P, _I, _P, _P, _P, _P, _I, _I, _I], ctypes.c_int),
                     "screen_argmax": ([_P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I], ctypes.c_int)},
 }
 
@@ -504,10 +504,10 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
     if found is None or weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
         return None
     lib, width = found
-    w = weight.detach().contiguous()
+    w = weight.detach()  # (any strides: the loader keeps weights column-major for PyTorch's matmuls)
     n, k = w.shape
     packed = empty_huge(-(-n // width), k, width)  # streamed from memory every step: 2 MB pages
-    lib.pack_panels(w.data_ptr(), packed.data_ptr(), n, k, torch.get_num_threads())
+    lib.pack_panels(w.data_ptr(), packed.data_ptr(), n, k, w.stride(0), w.stride(1), torch.get_num_threads())
     return packed
 
 
@@ -547,16 +547,14 @@ def pack_head_screen(packed: torch.Tensor, n: int) -> HeadScreen | None:
     lib = _screen_lib()
     if lib is None or packed.device.type != "cpu" or packed.dtype != torch.float32 or packed.dim() != 3:
         return None
-    if not bool(torch.isfinite(packed).all()):
-        return None
     k = packed.shape[1]
     kp = k + (k & 1)
     screen = HeadScreen(q=empty_huge(-(-n // 16) * kp * 16, dtype=torch.int8),
                         scale=torch.empty(n, dtype=torch.float64), c1=torch.empty(n, dtype=torch.float64),
                         c2=torch.empty(n, dtype=torch.float64))
-    lib.screen_pack(packed.data_ptr(), packed.shape[2], screen.q.data_ptr(), screen.scale.data_ptr(),
-                    screen.c1.data_ptr(), screen.c2.data_ptr(), n, k, torch.get_num_threads())
-    return screen
+    bad = lib.screen_pack(packed.data_ptr(), packed.shape[2], screen.q.data_ptr(), screen.scale.data_ptr(),
+                          screen.c1.data_ptr(), screen.c2.data_ptr(), n, k, torch.get_num_threads())
+    return None if bad else screen  # (a non-finite weight, found while packing)
 
 
 SCREEN_CAP = 4096  # candidates a row may keep per thread before the caller computes it in full

@@ -65,16 +65,20 @@ int screen_available(void) { return 1; }
 /* The head [V, K] read from its panel_gemm.c copy wp [ceil(V / pw), K, pw] -> q (layout above),
  * per token: scale s, c1 = e + gamma_K a, c2 = s |q|_1. (The packed copy: a tied embedding is often
  * stored transposed, and a contiguous copy would cost 671 MB and a second at start.) */
-void screen_pack(const float *wp, int pw, int8_t *q, double *scale, double *c1, double *c2, int V, int K,
-                 int threads) {
+int screen_pack(const float *wp, int pw, int8_t *q, double *scale, double *c1, double *c2, int V, int K,
+                int threads) {
     const int Kp = K + (K & 1), P = (V + PT - 1) / PT;
     const double u = ldexp(1.0, -24), gamma = K * u / (1.0 - K * u);
+    int bad = 0; /* a non-finite weight: the screen's bounds would not hold, the caller keeps none */
     memset(q, 0, (size_t)P * Kp * PT);
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(| : bad)
     for (int v = 0; v < V; v++) {
         const float *col = wp + (size_t)(v / pw) * K * pw + v % pw; /* w[v, k] = col[k * pw] */
         double a = 0.0;
-        for (int k = 0; k < K; k++) a = fmax(a, fabs((double)col[(size_t)k * pw]));
+        for (int k = 0; k < K; k++) {
+            bad |= !isfinite(col[(size_t)k * pw]);
+            a = fmax(a, fabs((double)col[(size_t)k * pw]));
+        }
         const double s = a / 127.0;
         double e = 0.0, l1 = 0.0;
         int8_t *dst = q + (size_t)(v / PT) * Kp * PT + (size_t)(v % PT) * 2;
@@ -89,6 +93,7 @@ void screen_pack(const float *wp, int pw, int8_t *q, double *scale, double *c1, 
         c1[v] = e * SLACK + gamma * a;
         c2[v] = s * l1;
     }
+    return bad;
 }
 
 /* 16 tokens' dots for rows [0, mr) of hq [*, Kp] against one panel -> dots [mr][16]. first: the
@@ -352,9 +357,10 @@ int screen_argmax(const float *x, const float *wp, int pw, const int8_t *q, cons
 }
 #else
 int screen_available(void) { return 0; }
-void screen_pack(const float *wp, int pw, int8_t *q, double *scale, double *c1, double *c2, int V, int K,
-                 int threads) {
+int screen_pack(const float *wp, int pw, int8_t *q, double *scale, double *c1, double *c2, int V, int K,
+                int threads) {
     (void)wp, (void)pw, (void)q, (void)scale, (void)c1, (void)c2, (void)V, (void)K, (void)threads;
+    return 1;
 }
 int screen_argmax(const float *x, const float *wp, int pw, const int8_t *q, const double *scale, const double *c1,
                   const double *c2, int64_t *tokens, int M, int V, int K, int cap, int threads) {
