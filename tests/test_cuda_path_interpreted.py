@@ -1,0 +1,86 @@
+"""The CUDA path end to end without a GPU. The engine runs a tiny Llama and a tiny Gemma 3 while
+every tensor reports `is_cuda`, so each fast path the model files choose on CUDA takes its Triton
+kernel through Triton's interpreter: the norms and residual adds, the q/k prologue with its K/V
+write into the pool, the gated activation, paged prefill attention over chunks and paged decode
+attention, its parts merged by the last to arrive. The matmuls stay on the CPU's kernels. Greedy
+tokens must equal the plain CPU engine's, and every step's top log-probabilities agree to fp32
+rounding.
+
+The kernels' own tests hold each one to a reference; this one holds the way the engine calls them:
+the step's metadata, block tables and slots as views, a sliding window's released blocks, the
+layer groups. Where CUDA is present Triton compiles instead of interpreting, and the GPU check
+(kvserve/tools/bench/cuda_check.py) covers this path."""
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.kernels import triton_attention, triton_ops
+from kvserve.loading import load_model
+from tests.tiny_models import make_model
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="Triton compiles for a GPU here: the CUDA check runs this path")
+
+SHAPES = {  # two layers, two query heads sharing one KV head (head_dim 32): a few interpreted programs
+    "llama": dict(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1),
+    "gemma3": dict(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                   layer_types=["sliding_attention", "full_attention"]),
+}
+WRAPPERS = {triton_attention: ("paged_decode", "paged_prefill"),
+            triton_ops: ("residual_norm", "qk_norm_rope", "gated_act")}
+
+
+@pytest.fixture
+def counted(monkeypatch) -> Counter:
+    """Calls of each Triton wrapper, and decode calls of more than one part (the merge)."""
+    calls: Counter = Counter()
+
+    def count(module, name):
+        real = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            if name == "paged_decode":
+                q, k_pool, max_len = args[0], args[1], kwargs.get("max_len")
+                calls["decode in parts"] += triton_attention.decode_parts(q.shape[0], k_pool.shape[1], max_len,
+                                                                          q.device) > 1
+            return real(*args, **kwargs)
+        monkeypatch.setattr(module, name, wrapper)
+
+    for module, names in WRAPPERS.items():
+        for name in names:
+            count(module, name)
+    return calls
+
+
+@pytest.mark.parametrize("family", sorted(SHAPES))
+def test_the_cuda_paths_kernels_give_the_cpu_engines_tokens_and_logprobs(family, tmp_path, counted, monkeypatch, one_thread):
+    make_model(family, tmp_path, **SHAPES[family])
+    loaded = load_model(tmp_path)
+    # A prompt past 64 positions (decode in parts) prefilled in two chunks; two short ones.
+    prompts = [[2, 5, 6, 7], [2] + list(range(30, 96)), [2, 11, 12]]
+    # Top-5 log-probabilities of every step: a tiny random model's greedy tokens survive errors
+    # that its logits show.
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=5)
+    engine = dict(loaded=loaded, kv_cache_gib=0.0005, max_num_seqs=4, max_num_batched_tokens=48)
+    want = [o.outputs[0] for o in LLM(**engine).generate(prompts, params)]
+    assert not counted  # the plain engine: C kernels and PyTorch ops only
+    llm = LLM(**engine)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    got = [o.outputs[0] for o in llm.generate(prompts, params)]
+    monkeypatch.undo()
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    for g, w in zip(got, want):  # the same roundings up to summation order: fp32 agreement
+        for g_top, w_top in zip(g.top_logprobs, w.top_logprobs):
+            assert g_top.keys() == w_top.keys()
+            torch.testing.assert_close(torch.tensor(list(g_top.values())), torch.tensor([w_top[t] for t in g_top]),
+                                       atol=1e-4, rtol=0)
+    for names in WRAPPERS.values():
+        assert all(counted[name] > 0 for name in names), counted
+    assert counted["decode in parts"] > 0, counted
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
