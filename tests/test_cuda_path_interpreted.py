@@ -110,13 +110,15 @@ def _outputs(llm: LLM, prompts, params) -> list:
     return [o.outputs[0] for o in llm.generate(prompts, params)]
 
 
-def test_the_captured_decode_steps_kernels_give_the_cpu_engines_logprobs(tmp_path, counted, monkeypatch, one_thread):
+@pytest.mark.parametrize("family", sorted(SHAPES))
+def test_the_captured_decode_steps_kernels_give_the_cpu_engines_logprobs(family, tmp_path, counted, monkeypatch,
+                                                                         one_thread):
     """The decode step the GPU replays: the graph runner's static buffers (block tables for every
     possible block, lengths read from memory, padding rows), attention in as many parts as a
     graph fixes without knowing the lengths, and the small-batch products through the Triton
     matrix-vector tilings the engine would have chosen, the down projection's with the
     activation in front. (The runner's CPU stand-in steps without capturing.)"""
-    make_model("llama", tmp_path, **SHAPES["llama"])
+    make_model(family, tmp_path, **SHAPES[family])
     loaded = load_model(tmp_path)
     prompts = [[2, 5, 6, 7], [2] + list(range(30, 96)), [2, 11, 12]]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=5)
