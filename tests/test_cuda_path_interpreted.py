@@ -63,6 +63,21 @@ def counted(monkeypatch) -> Counter:
     return calls
 
 
+def _outputs(llm: LLM, prompts, params) -> list:
+    return [o.outputs[0] for o in llm.generate(prompts, params)]
+
+
+def assert_same_outputs(got: list, want: list) -> None:
+    """The same greedy tokens, and every step's top log-probabilities equal to fp32 agreement (the
+    same roundings up to summation order)."""
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    for g, w in zip(got, want):
+        for g_top, w_top in zip(g.top_logprobs, w.top_logprobs):
+            assert g_top.keys() == w_top.keys()
+            torch.testing.assert_close(torch.tensor(list(g_top.values())), torch.tensor([w_top[t] for t in g_top]),
+                                       atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("family", sorted(SHAPES))
 def test_the_cuda_paths_kernels_give_the_cpu_engines_tokens_and_logprobs(family, tmp_path, counted, monkeypatch, one_thread):
     make_model(family, tmp_path, **SHAPES[family])
@@ -73,18 +88,13 @@ def test_the_cuda_paths_kernels_give_the_cpu_engines_tokens_and_logprobs(family,
     # that its logits show.
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=5)
     engine = dict(loaded=loaded, kv_cache_gib=0.0005, max_num_seqs=4, max_num_batched_tokens=48)
-    want = [o.outputs[0] for o in LLM(**engine).generate(prompts, params)]
+    want = _outputs(LLM(**engine), prompts, params)
     assert not counted  # the plain engine: C kernels and PyTorch ops only
     llm = LLM(**engine)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    got = [o.outputs[0] for o in llm.generate(prompts, params)]
+    got = _outputs(llm, prompts, params)
     monkeypatch.undo()
-    assert [g.token_ids for g in got] == [w.token_ids for w in want]
-    for g, w in zip(got, want):  # the same roundings up to summation order: fp32 agreement
-        for g_top, w_top in zip(g.top_logprobs, w.top_logprobs):
-            assert g_top.keys() == w_top.keys()
-            torch.testing.assert_close(torch.tensor(list(g_top.values())), torch.tensor([w_top[t] for t in g_top]),
-                                       atol=1e-4, rtol=0)
+    assert_same_outputs(got, want)
     for names in (WRAPPERS[triton_attention], WRAPPERS[triton_ops]):
         assert all(counted[name] > 0 for name in names), counted
     assert counted["decode in parts"] > 0, counted
@@ -104,10 +114,6 @@ class PreferATiling:
     def __call__(self, run, calls: int) -> float:
         self.calls += 1
         return self.TIMES[(self.calls - 1) % len(self.TIMES)]
-
-
-def _outputs(llm: LLM, prompts, params) -> list:
-    return [o.outputs[0] for o in llm.generate(prompts, params)]
 
 
 @pytest.mark.parametrize("family", sorted(SHAPES))
@@ -139,12 +145,7 @@ def test_the_captured_decode_steps_kernels_give_the_cpu_engines_logprobs(family,
         got = _outputs(llm, prompts, params)
     monkeypatch.undo()
     assert replayed and max(replayed) == 3
-    assert [g.token_ids for g in got] == [w.token_ids for w in want]
-    for g, w in zip(got, want):
-        for g_top, w_top in zip(g.top_logprobs, w.top_logprobs):
-            assert g_top.keys() == w_top.keys()
-            torch.testing.assert_close(torch.tensor(list(g_top.values())), torch.tensor([w_top[t] for t in g_top]),
-                                       atol=1e-4, rtol=0)
+    assert_same_outputs(got, want)
     for names in WRAPPERS.values():
         assert all(counted[name] > 0 for name in names), counted
     assert counted["decode in parts"] > 0, counted

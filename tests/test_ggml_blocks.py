@@ -14,6 +14,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from kvserve import kernels
 from kvserve.loading import gguf as gguf_loading
+from kvserve.weights import ggml as ggml_weights
 from kvserve.weights.ggml import (
     GEMV_MAX_ROWS,
     GGML_TYPES,
@@ -77,6 +78,7 @@ def test_the_fp32_conversion_takes_the_kernels_values(t, monkeypatch):
         return gguf_dequantize(d, qtype)
 
     monkeypatch.setattr(gguf_loading, "dequantize", plain_only)
+    monkeypatch.setattr(ggml_weights, "gguf_dequantize", plain_only)  # (the C kernel's fallback)
     for d, want in zip((data, data.reshape(2, 3, -1)), wants):
         got = gguf_loading.dequantized(d, t, _cols(t))
         assert got.dtype == np.float32 and got.shape == want.shape and np.array_equal(got, want)

@@ -64,6 +64,7 @@ def _tune_small_batch(model: nn.Module, what: str) -> None:
     else:
         log.info("%s: small-batch matmul kernels chosen in %.1f s", what, time.perf_counter() - t)
 
+
 def fast_path_nbytes(model: nn.Module) -> int:
     """Bytes the fast paths hold beside the weights: packed fp32 panels (each copy once) and the
     head's greedy screen."""

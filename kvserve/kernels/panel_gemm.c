@@ -48,25 +48,17 @@ typedef __m256 vec;
 int panel_width(void) { return PW; }
 
 /* w[n, k] at w[n * sn + k * sk] (element strides): row-major weights and the column-major ones the
- * loader keeps for PyTorch's matmuls pack without a contiguous copy first. Column-major (sn 1)
- * reads each panel row's PW columns as one contiguous run. */
+ * loader keeps for PyTorch's matmuls pack without a contiguous copy first (column-major gives each
+ * panel row's PW columns as one contiguous run; row-major reads PW rows' cache lines in turn). */
 void pack_panels(const float *w, float *wp, int N, int K, int64_t sn, int64_t sk, int threads) {
     const int P = (N + PW - 1) / PW;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int p = 0; p < P; p++) {
-        float *panel = wp + (size_t)p * K * PW;
-        if (sn == 1)
-            for (int k = 0; k < K; k++)
-                for (int j = 0; j < PW; j++) {
-                    const int n = p * PW + j;
-                    panel[(size_t)k * PW + j] = n < N ? w[n + k * sk] : 0.f;
-                }
-        else
+    for (int p = 0; p < P; p++)
+        for (int k = 0; k < K; k++)
             for (int j = 0; j < PW; j++) {
                 const int n = p * PW + j;
-                for (int k = 0; k < K; k++) panel[(size_t)k * PW + j] = n < N ? w[n * sn + k * sk] : 0.f;
+                wp[((size_t)p * K + k) * PW + j] = n < N ? w[n * sn + k * sk] : 0.f;
             }
-    }
 }
 
 /* Rows [0, mr) of x against one panel; ncols (<= PW) of the outputs are real. Each k step also

@@ -50,6 +50,16 @@ def row_bytes(ggml_type: int, in_features: int) -> int:
     return in_features // values * size
 
 
+def dequantize_rows(raw: torch.Tensor, ggml_type: int, in_features: int, rows: torch.Tensor) -> torch.Tensor:
+    """Rows `rows` (int64 [n]) of a weight held as blocks, raw uint8 [out_features, row bytes], in
+    fp32 [n, in_features]: kernels/ggml_blocks.c (ggml's values), else the `gguf` package."""
+    out = kernels.ggml_dequant(raw, int(ggml_type), in_features, rows)
+    if out is None:
+        picked = raw.index_select(0, rows.to(torch.int64)).numpy()
+        out = torch.from_numpy(np.asarray(gguf_dequantize(picked, T(ggml_type)), dtype=np.float32))
+    return out.reshape(rows.numel(), in_features)
+
+
 class GGMLLinear(nn.Module):
     """y = x @ W^T (+ bias) with W held as GGUF blocks: `raw` uint8 [out_features, row bytes].
 
@@ -98,11 +108,7 @@ class GGMLLinear(nn.Module):
         """Weight rows `rows` (int64 [n], the model's order) in fp32 [n, in_features]."""
         if self.out_order is not None:
             rows = self.out_order.index_select(0, rows.to(torch.int64))
-        out = kernels.ggml_dequant(self.raw, int(self.ggml_type), self.in_features, rows)
-        if out is None:
-            picked = self.raw.index_select(0, rows.to(torch.int64)).numpy()
-            out = torch.from_numpy(np.asarray(gguf_dequantize(picked, self.ggml_type), dtype=np.float32))
-        return out.reshape(rows.numel(), self.in_features)
+        return dequantize_rows(self.raw, self.ggml_type, self.in_features, rows)
 
     def dequantized_weight(self) -> torch.Tensor:
         """W in fp32 [out_features, in_features] (a full copy: for tests and conversions)."""
