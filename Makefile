@@ -13,7 +13,7 @@ ORIGIN := $(shell git config --get remote.origin.url 2>/dev/null)
 KVSERVE_DATA ?= $(firstword $(wildcard $(abspath ../shared/data) $(if $(ORIGIN),$(abspath $(ORIGIN)/../shared/data))) \
                 $(abspath ../shared/data))
 
-.PHONY: serve run test venv system-deps clean bench
+.PHONY: serve run test venv system-deps clean bench cuda-compat
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -46,5 +46,19 @@ system-deps:
 test: venv system-deps
 	KVSERVE_REQUIRE_KERNELS=1 KVSERVE_DATA="$(KVSERVE_DATA)" $(PY) -m pytest -q tests
 
+# The CUDA path's CPU checks (interpreted kernels, sm_90 compiles, the GPU check's dry runs) under
+# the GPU machine's versions, in a venv of their own (~3 GB): PyTorch's CUDA build, which pins its
+# Triton. numpy < 2.3: Triton 3.6's interpreter takes int() of one-element arrays, which numpy 2.4
+# refuses.
+CUDA_TORCH ?= 2.11.0
+CUDA_VENV ?= .venv-cuda
+CUDA_TESTS = tests/test_cuda_check.py tests/test_cuda_graphs.py tests/test_triton_compile.py \
+	tests/test_triton_attention.py tests/test_triton_ops.py tests/test_triton_gemv.py tests/test_cuda_path_interpreted.py
+cuda-compat:
+	test -x $(CUDA_VENV)/bin/python || python3 -m venv $(CUDA_VENV)
+	$(CUDA_VENV)/bin/pip install -q torch==$(CUDA_TORCH)
+	$(CUDA_VENV)/bin/pip install -q -e '.[dev]' 'numpy<2.3'
+	KVSERVE_REQUIRE_KERNELS=1 KVSERVE_DATA="$(KVSERVE_DATA)" $(CUDA_VENV)/bin/python -m pytest -q $(CUDA_TESTS)
+
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) $(CUDA_VENV) *.egg-info .pytest_cache

@@ -49,7 +49,8 @@ def test_every_triton_kernel_compiles_for_sm90():
     assert counted and "_gemv_kernel" in counted[1], r.stdout[-2000:]
     for kernel in KERNELS:
         assert sum(f" {kernel}: " in ln for ln in lines) >= cases, kernel
-    # The tiles measured on the H200 (head_dim 64) spill 200-300 bytes a thread; the ones that
-    # spilled 6-20 KB at head_dim 128 and 256 must not come back.
+    # The tiles measured on the H200 (head_dim 64) spill 200-300 bytes a thread, and Llama-1B's
+    # prefill tile 420-532 (bf16 under Triton 3.9 and 3.6, fp32 under 3.6: the H200's); the ones
+    # that spilled 6-20 KB at head_dim 128 and 256 must not come back.
     spills = {ln: int(re.search(r"spills (\d+) bytes", ln)[1]) for ln in lines}
-    assert max(spills.values()) <= 512, [ln for ln, b in spills.items() if b > 512]
+    assert max(spills.values()) <= 1024, [ln for ln, b in spills.items() if b > 1024]
