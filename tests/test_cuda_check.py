@@ -121,6 +121,28 @@ def test_cpu_dry_run_of_the_synthetic_model_path(cuda_check, tmp_path, monkeypat
     assert json.loads((tmp_path / "cuda_check_cpu.json").read_text())["environment"]["wall_s"] > 0
 
 
+class _TimeLimit(BaseException):
+    """What a device's time limit does to the run: it stops, with no chance to save."""
+
+
+def test_a_run_cut_off_keeps_the_figures_it_measured(cuda_check, tmp_path, monkeypatch):
+    monkeypatch.setattr(cuda_check, "LLAMA_1B", TINY_LLAMA)
+    monkeypatch.setattr(LLMEngine, "_cuda_graphs_apply", lambda self: self._cuda_graphs_fit())
+
+    def cut_off(*args, **kwargs):
+        raise _TimeLimit
+
+    monkeypatch.setattr(cuda_check, "decode_only_speed", cut_off)  # the cuBLAS-only engine, after multi-step
+    with pytest.raises(_TimeLimit):
+        cuda_check.main(SMALL_RUN + ["--skip-gemma", "--skip-hf", "--num-scheduler-steps", "3",
+                                     "--json-dir", str(tmp_path)])
+    llama = json.loads((tmp_path / "cuda_check_cpu.json").read_text())["models"]["llama_1b"]
+    assert llama["greedy"] and not llama["errors"]
+    speed = llama["speed"]
+    assert speed["kvserve_share_of_bound"] > 0 and speed["multi_step_share_of_bound"] > 0
+    assert "kvserve_cublas" not in speed
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message for a machine without CUDA")
 def test_without_cuda_it_says_so(cuda_check, tiny_gemma, capsys):
     assert cuda_check.main(["--device", "cuda", "--model", str(tiny_gemma)]) == 2

@@ -24,7 +24,8 @@ For each:
    batch-1 decode and the 512-token prefill; and the bandwidth bound of batch-1 decode: bytes a
    step reads (weights + K/V at the mean context) over the device's measured read bandwidth.
 
-`--device cpu` runs it all on the CPU (the dry run the tests use). Exit status: 0 when every
+With --json-dir the JSON is rewritten after every engine's figures, so a run cut off by a
+time limit keeps what it measured. `--device cpu` runs it all on the CPU (the dry run the tests use). Exit status: 0 when every
 request matches or parts at a near-tie; 1 on a mismatch; 2 on bad input or no device.
 
     python -m kvserve.tools.bench.cuda_check --help
@@ -45,6 +46,7 @@ import traceback
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -394,13 +396,26 @@ def check_greedy(source, refs: list[Reference], args, report: ModelReport) -> No
     free(args.device)
 
 
-def measure_speed(source, hf_folder: Path | None, args, report: ModelReport, offline: int) -> None:
+def measure_speed(source, hf_folder: Path | None, args, report: ModelReport, offline: int,
+                  progress: Callable[[], None] = lambda: None) -> None:
+    """Batch-1 decode against the bandwidth bound first, then what explains it (graph replay,
+    kernels, multi-step, cuBLAS only, eager), HF last; `progress()` saves what is done after each
+    engine (a run cut off by the device's time limit keeps its figures)."""
     loaded = load_model(source, args.speed_dtype, args.device)
     cfg = loaded.config
     llm = LLM(loaded=loaded, device=args.device, dtype=args.speed_dtype, kv_cache_gib=args.kv_cache_gib)
     sp = report.speed
     sp["kvserve"] = kvserve_speed(llm, cfg.vocab_size, cfg.bos_token_id, args.device, args.repeats, offline,
                                   args.output_len)
+    context = 512 + args.output_len // 2
+    step_bytes = decode_bytes_per_token(loaded, context)
+    bw = args.bandwidth_gbs
+    sp["bound"] = {"bytes_per_token": step_bytes, "mean_context": context, "read_bandwidth_gbs": bw,
+                   "decode_tok_s": bw * 1e9 / step_bytes}
+    sp["kvserve_share_of_bound"] = sp["kvserve"]["decode_batch1_tok_s"] / sp["bound"]["decode_tok_s"]
+    print(f"  bound: {step_bytes / 1e6:.1f} MB a step at {bw:.0f} GB/s -> {sp['bound']['decode_tok_s']:.0f} tok/s; "
+          f"kvserve at {100 * sp['kvserve_share_of_bound']:.0f}%", flush=True)
+    progress()
     sp["kvserve"]["graph_step_ms"] = graph_replay_ms(llm, args.device)
     sp["kvserve"]["graph_kernels"] = graph_kernels(llm, args.device)
     # cuBLAS or a Triton tiling per projection, with the times that chose it (accel/cuda_gemv.py)
@@ -409,6 +424,7 @@ def measure_speed(source, hf_folder: Path | None, args, report: ModelReport, off
         sp["kvserve"]["offline_host_profile"] = offline_host_profile(llm, cfg.vocab_size, cfg.bos_token_id,
                                                                      args.device, offline)
     print(f"  kvserve {args.speed_dtype}: {fmt(sp['kvserve'])}", flush=True)
+    progress()
     graphs = llm.engine.runner.graphs is not None
     del llm
     free(args.device)
@@ -419,7 +435,10 @@ def measure_speed(source, hf_folder: Path | None, args, report: ModelReport, off
                                                  offline, args.output_len)
         sp["kvserve_multi_step"]["num_scheduler_steps"] = args.num_scheduler_steps
         sp["kvserve_multi_step"]["graph_kernels"] = graph_kernels(multi, args.device, multi=True)
-        print(f"  kvserve, {args.num_scheduler_steps}-step runs: {fmt(sp['kvserve_multi_step'])}", flush=True)
+        sp["multi_step_share_of_bound"] = sp["kvserve_multi_step"]["decode_batch1_tok_s"] / sp["bound"]["decode_tok_s"]
+        print(f"  kvserve, {args.num_scheduler_steps}-step runs: {fmt(sp['kvserve_multi_step'])}; "
+              f"{100 * sp['multi_step_share_of_bound']:.0f}% of the bound", flush=True)
+        progress()
         del multi
         free(args.device)
     if graphs:  # the same graphs with cuBLAS for every matmul: what the chosen Triton kernels gain
@@ -432,25 +451,15 @@ def measure_speed(source, hf_folder: Path | None, args, report: ModelReport, off
                                              / sp["kvserve_cublas"]["decode_batch1_tok_s"])
         print(f"  kvserve, cuBLAS only: {fmt(sp['kvserve_cublas'])}; the chosen kernels "
               f"{sp['small_batch_kernels_speedup']:.2f}x", flush=True)
+        progress()
         del plain
         free(args.device)
     eager = LLM(loaded=loaded, device=args.device, dtype=args.speed_dtype, kv_cache_gib=args.kv_cache_gib,
                 enforce_eager=True)
     sp["kvserve_eager"] = decode_only_speed(eager, cfg.vocab_size, cfg.bos_token_id, args.repeats, args.output_len)
     print(f"  kvserve eager: {fmt(sp['kvserve_eager'])}", flush=True)
+    progress()
     del eager
-    context = 512 + args.output_len // 2
-    step_bytes = decode_bytes_per_token(loaded, context)
-    bw = args.bandwidth_gbs
-    sp["bound"] = {"bytes_per_token": step_bytes, "mean_context": context, "read_bandwidth_gbs": bw,
-                   "decode_tok_s": bw * 1e9 / step_bytes}
-    sp["kvserve_share_of_bound"] = sp["kvserve"]["decode_batch1_tok_s"] / sp["bound"]["decode_tok_s"]
-    multi_share = ""
-    if "kvserve_multi_step" in sp:
-        sp["multi_step_share_of_bound"] = sp["kvserve_multi_step"]["decode_batch1_tok_s"] / sp["bound"]["decode_tok_s"]
-        multi_share = f", with {args.num_scheduler_steps}-step runs at {100 * sp['multi_step_share_of_bound']:.0f}%"
-    print(f"  bound: {step_bytes / 1e6:.1f} MB a step at {bw:.0f} GB/s -> {sp['bound']['decode_tok_s']:.0f} tok/s; "
-          f"kvserve at {100 * sp['kvserve_share_of_bound']:.0f}%{multi_share}", flush=True)
     del loaded
     free(args.device)
     if hf_folder is not None:
@@ -591,15 +600,16 @@ def run(args) -> dict:
             prompts = random_prompts(LLAMA_1B["vocab_size"], args.synthetic_prompts, args.prompt_tokens)
             attempt(llama, "greedy", lambda: check_greedy(folder, cpu_references(folder, args, prompts), args, llama),
                     args.device)
+            checkpoint()
             if not args.skip_speed:
                 attempt(llama, "speed", lambda: measure_speed(folder, None if args.skip_hf else folder, args, llama,
-                                                                     args.offline_requests),
+                                                              args.offline_requests, checkpoint),
                         args.device)
             checkpoint()
         if not args.skip_gemma and not args.skip_speed:
             print(f"\n== {gemma.name}: speed", flush=True)
             attempt(gemma, "speed", lambda: measure_speed(args.model, gemma_hf_folder(args, Path(tmp)), args, gemma,
-                                                          args.offline_requests), args.device)
+                                                          args.offline_requests, checkpoint), args.device)
     out["ok"] = all(m.ok for m in models.values())
     checkpoint()
     return out
