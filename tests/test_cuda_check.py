@@ -8,9 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvserve import LLM, SamplingParams
+from kvserve.engine.cuda_graphs import DecodeGraphs
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.loading import load_model
 from kvserve.tools.bench import cuda_check as cuda_check_module
-from tests.tiny_models import make_model
+from tests.tiny_models import VOCAB, make_model
 
 TINY_LLAMA = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
@@ -116,9 +119,26 @@ def test_cpu_dry_run_of_the_synthetic_model_path(cuda_check, tmp_path, monkeypat
     assert speed["hf"]["prefill_512_tok_s"] > 0
     multi = speed["kvserve_multi_step"]
     assert multi["decode_batch1_tok_s"] > 0 and multi["offline_output_tok_s"] > 0
-    assert speed["multi_step_share_of_bound"] > 0
+    assert speed["multi_step_share_of_bound"] > 0 and speed["kvserve"]["host_step_ms"] > 0
     assert speed["kvserve_cublas"]["decode_batch1_tok_s"] > 0 and speed["small_batch_kernels_speedup"] > 0
     assert json.loads((tmp_path / "cuda_check_cpu.json").read_text())["environment"]["wall_s"] > 0
+
+
+def test_host_step_leaves_the_replays_out(cuda_check, tmp_path, monkeypatch):
+    monkeypatch.setattr(LLMEngine, "_cuda_graphs_apply", lambda self: self._cuda_graphs_fit())
+    make_model("llama", tmp_path)
+    llm = LLM(loaded=load_model(tmp_path), kv_cache_gib=0.01, max_num_seqs=2)
+    graphs = llm.engine.runner.graphs
+    replays = []
+    run = DecodeGraphs.run
+    monkeypatch.setattr(DecodeGraphs, "run", lambda self, inputs: replays.append(len(inputs)) or run(self, inputs))
+    host = cuda_check.host_step_ms(llm, VOCAB, 2, steps=32)
+    assert replays == [1] and host > 0  # one real replay; 30 more steps handed its outputs
+    assert "run" not in vars(graphs)  # the runner's own method again
+    llm.generate([[2, 5, 6]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert replays == [1, 1, 1, 1]
+    assert cuda_check.host_step_ms(LLM(loaded=load_model(tmp_path), kv_cache_gib=0.01, enforce_eager=True),
+                                   VOCAB, 2) is None
 
 
 class _TimeLimit(BaseException):

@@ -13,16 +13,17 @@ For each:
    --tie-margin is a near-tie, anything else a mismatch. The CPU reference comes from
    --reference (a file `--write-reference` made on another machine: the device's time is short)
    or is computed here.
-2. Speed in bf16 (the CUDA default): batch-1 decode tok/s (graphs, and eager for the graphs'
-   share), TTFT of a fresh 512-token prompt, and the offline workload of `kvserve bench
-   throughput` (64 requests, inputs 32-512, outputs 32-256, seed 0; timed twice, with the Triton
-   compiles inside each run counted, then once more under cProfile for where the host's time
-   goes), all again with multi-step graph runs (--num-scheduler-steps);
-   batch-1 decode again with cuBLAS for every matmul (pack_weights=False), beside the small-batch
-   kernels the engine chose by timing and those timings; HF transformers on the same
-   device and weights in bf16 (`generate`, greedy, its default cache and SDPA attention) for
-   batch-1 decode and the 512-token prefill; and the bandwidth bound of batch-1 decode: bytes a
-   step reads (weights + K/V at the mean context) over the device's measured read bandwidth.
+2. Speed in bf16 (the CUDA default): batch-1 decode tok/s (graphs, and eager for the graphs' share;
+   one graph's replay time; the engine's own Python a step, the replays left out), TTFT of a fresh
+   512-token prompt, and the offline workload of `kvserve bench throughput` (64 requests, inputs
+   32-512, outputs 32-256, seed 0; timed twice, with the Triton compiles inside each run counted,
+   then once more under cProfile for where the host's time goes), all again with multi-step graph
+   runs (--num-scheduler-steps); batch-1 decode again with cuBLAS for every matmul
+   (pack_weights=False), beside the small-batch kernels the engine chose by timing and those
+   timings; HF transformers on the same device and weights in bf16 (`generate`, greedy, its default
+   cache and SDPA attention) for batch-1 decode and the 512-token prefill; and the bandwidth bound
+   of batch-1 decode: bytes a step reads (weights + K/V at the mean context) over the device's
+   measured read bandwidth.
 
 With --json-dir the JSON is rewritten after every engine's figures, so a run cut off by a
 time limit keeps what it measured. `--device cpu` runs it all on the CPU (the dry run the tests use). Exit status: 0 when every
@@ -281,6 +282,31 @@ def graph_replay_ms(llm: LLM, device: str, replays: int = 200) -> float | None:
     return 1e3 * (time.perf_counter() - t) / replays
 
 
+def host_step_ms(llm: LLM, vocab: int, bos: int | None, steps: int = 256) -> float | None:
+    """The engine's own work in a batch-1 decode step through the graphs, the replay left out:
+    every replay after the first hands back the first one's outputs, so the time between tokens
+    is the host's Python alone (scheduling, the step's buffers, appending and detokenizing the
+    token). Beside `graph_replay_ms` and the engine's step it splits the host's share into this
+    and the CUDA calls (copies, launch, the wait for the token). None without graphs."""
+    graphs = llm.engine.runner.graphs
+    if graphs is None:
+        return None
+    run, first = graphs.run, []
+
+    def replayed(inputs):
+        if not first:
+            first.append(run(inputs))
+        return first[0]
+
+    graphs.run = replayed  # (an instance attribute over the method, removed below)
+    try:
+        ids = make_workload(1, (8, 8), (1, 1), vocab, bos, 2).prompts[0]
+        m = llm.generate(ids, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True))[0].metrics
+    finally:
+        del graphs.run
+    return 1e3 * m.tpot
+
+
 def graph_kernels(llm: LLM, device: str, multi: bool = False) -> dict | None:
     """Kernels one replay of the batch-1 graph launches (the K-step graph's per step with
     `multi`) and their summed GPU time, from the profiler; None off CUDA or where the profiler
@@ -417,6 +443,7 @@ def measure_speed(source, hf_folder: Path | None, args, report: ModelReport, off
           f"kvserve at {100 * sp['kvserve_share_of_bound']:.0f}%", flush=True)
     progress()
     sp["kvserve"]["graph_step_ms"] = graph_replay_ms(llm, args.device)
+    sp["kvserve"]["host_step_ms"] = host_step_ms(llm, cfg.vocab_size, cfg.bos_token_id)
     sp["kvserve"]["graph_kernels"] = graph_kernels(llm, args.device)
     # cuBLAS or a Triton tiling per projection, with the times that chose it (accel/cuda_gemv.py)
     sp["kvserve"]["small_batch_tuning"] = getattr(loaded.model, "small_batch_tuning", None)
