@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from kvserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from kvserve.sampling.detokenizer import IncrementalDetokenizer
+    from kvserve.sampling.detokenizer import IncrementalDetokenizer, StreamDetokenizer
     from kvserve.sampling.stop import StopChecker
 
 
@@ -103,7 +103,7 @@ class Sequence:
     # Structured outputs: the sequence's place in its request's grammar (a
     # kvserve.sampling.structured.GrammarState, set once the grammar is compiled).
     grammar: Any = field(default=None, repr=False)
-    detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False)
+    detokenizer: IncrementalDetokenizer | StreamDetokenizer | None = field(default=None, repr=False)
     stop_checker: StopChecker | None = field(default=None, repr=False)
     # Streamed text in pieces (joined only when an output needs all of it) and how much of
     # it, and of the tokens, earlier outputs reported.

@@ -16,7 +16,8 @@ from tokenizers import (
     trainers,
 )
 
-from kvserve.sampling import IncrementalDetokenizer, StopChecker
+from kvserve.loading.tokenizer import Tokenizer as KvTokenizer
+from kvserve.sampling import IncrementalDetokenizer, StopChecker, StreamDetokenizer, make_detokenizer
 from kvserve.sampling_params import SamplingParams
 
 TEXT = [
@@ -137,6 +138,44 @@ def test_random_ids_stream_to_full_decode(name: str, data: st.DataObject, skip: 
     any_id = st.integers(0, tok.get_vocab_size() - 1)
     ids = data.draw(st.lists(st.one_of(any_id, st.sampled_from(_interesting_ids(name))), max_size=40))
     stream(tok, ids, skip)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), skip=st.booleans())
+def test_byte_level_vocabularies_stream_through_tokenizers_own_decoder(data: st.DataObject, skip: bool) -> None:
+    """kvserve's Tokenizer offers DecodeStream for a byte-level vocabulary: the same contract
+    (every step a prefix of the full decode, the deltas and the flush equal to it)."""
+    raw = byte_level_bpe()
+    tok = KvTokenizer(raw, [1], 2)
+    any_id = st.integers(0, raw.get_vocab_size() - 1)
+    ids = data.draw(st.lists(st.one_of(any_id, st.sampled_from(_interesting_ids("byte_level_bpe"))), max_size=40))
+    full = raw.decode(ids, skip_special_tokens=skip)
+    detok = make_detokenizer(tok, [5, 6], skip)
+    assert isinstance(detok, StreamDetokenizer)
+    streamed = ""
+    for t in ids:
+        streamed += detok.add_token(t)
+        assert full.startswith(streamed), (streamed, full)
+        assert detok.text == streamed
+    assert streamed + detok.flush() == full == detok.text
+    assert detok.flush() == ""
+
+
+def test_a_character_left_incomplete_comes_out_at_the_flush() -> None:
+    raw = byte_level_bpe()
+    partial = next(i for i in raw.encode("😀🎉").ids if "\ufffd" in raw.decode([i]))
+    detok = make_detokenizer(KvTokenizer(raw, [1], 2), [])
+    assert detok.add_token(partial) == ""
+    assert detok.flush() == raw.decode([partial]) and detok.text.endswith("\ufffd")
+
+
+@pytest.mark.parametrize("name", [n for n in TOKENIZERS if n != "byte_level_bpe"])
+def test_byte_fallback_vocabularies_keep_the_own_detokenizer(name: str) -> None:
+    """DecodeStream gives out text that a later byte token turns into U+FFFD under SentencePiece
+    byte fallback; those vocabularies keep IncrementalDetokenizer."""
+    tok = KvTokenizer(TOKENIZERS[name](), [1], 2)
+    assert tok.decode_stream() is None
+    assert isinstance(make_detokenizer(tok, []), IncrementalDetokenizer)
 
 
 @functools.cache

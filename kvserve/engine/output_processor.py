@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from kvserve.engine.metrics import RequestMetrics
 from kvserve.engine.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
-from kvserve.sampling.detokenizer import IncrementalDetokenizer
+from kvserve.sampling.detokenizer import make_detokenizer
 from kvserve.sampling.stop import StopChecker, StopResult
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
 from kvserve.sequence import Logprob, Sequence, SequenceStatus
@@ -45,7 +45,7 @@ class OutputProcessor:
         """Give a new request's sequences their detokenizers and stop checkers."""
         checkers = StopChecker.for_samples(params, self.tokenizer.eos_token_ids, self.max_model_len, len(seqs))
         for s, checker in zip(seqs, checkers):
-            s.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
+            s.detokenizer = make_detokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
             s.stop_checker = checker
 
     def on_token(self, seq: Sequence, token: int) -> StopResult:

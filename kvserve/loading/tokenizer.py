@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import tempfile
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import sentencepiece
 import tokenizers
@@ -53,6 +53,19 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self, skip_special_tokens: bool = True) -> Callable[[int], str | None] | None:
+        """tokenizers' own incremental decoder (DecodeStream, in Rust) as a function of the next
+        output id -> the text it completes (None: held back), for byte-level vocabularies only
+        (GPT-2, Llama 3, Qwen2), where a piece never changes text decoded before it. Under
+        SentencePiece byte fallback it can (a run of byte tokens turns into U+FFFD when a later
+        byte breaks it), and DecodeStream does not hold such runs back: None there, and
+        kvserve.sampling's own detokenizer serves."""
+        if not isinstance(self._tk.decoder, tokenizers.decoders.ByteLevel):
+            return None
+        step = tokenizers.decoders.DecodeStream(skip_special_tokens=skip_special_tokens).step
+        tk = self._tk
+        return lambda token_id: step(tk, token_id)
 
     def token_to_id(self, token: str) -> int | None:
         return self._tk.token_to_id(token)
@@ -115,6 +128,10 @@ class SentencePieceTokenizer(Tokenizer):
     @property
     def vocab_size(self) -> int:
         return self._sp.get_piece_size()
+
+    def decode_stream(self, skip_special_tokens: bool = True) -> None:
+        """None: SentencePiece's byte fallback needs kvserve.sampling's own detokenizer."""
+        return None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = list(self._prefix) if add_special_tokens else []

@@ -1,6 +1,6 @@
 """Token sampling, incremental detokenization and stop conditions."""
 
-from kvserve.sampling.detokenizer import IncrementalDetokenizer
+from kvserve.sampling.detokenizer import IncrementalDetokenizer, StreamDetokenizer, make_detokenizer
 from kvserve.sampling.sampler import (
     Sampler,
     SamplerOutput,
@@ -17,6 +17,8 @@ __all__ = [
     "SamplingRequest",
     "StopChecker",
     "StopResult",
+    "StreamDetokenizer",
     "apply_penalties",
     "filter_logits",
+    "make_detokenizer",
 ]
