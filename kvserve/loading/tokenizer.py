@@ -9,6 +9,7 @@ transformers' GGUF converter. Both give the ids and text of transformers' conver
 """
 from __future__ import annotations
 
+import functools
 import re
 import tempfile
 from pathlib import Path
@@ -63,9 +64,8 @@ class Tokenizer:
         kvserve.sampling's own detokenizer serves."""
         if not isinstance(self._tk.decoder, tokenizers.decoders.ByteLevel):
             return None
-        step = tokenizers.decoders.DecodeStream(skip_special_tokens=skip_special_tokens).step
-        tk = self._tk
-        return lambda token_id: step(tk, token_id)
+        return functools.partial(tokenizers.decoders.DecodeStream(skip_special_tokens=skip_special_tokens).step,
+                                 self._tk)
 
     def token_to_id(self, token: str) -> int | None:
         return self._tk.token_to_id(token)

@@ -136,7 +136,6 @@ class StreamDetokenizer:
         self.token_ids: list[int] = []
         self._step = step
         self._parts: list[str] = []
-        self._emitted = 0  # characters given out
 
     def add_token(self, token_id: int) -> str:
         """Append one output token; return the newly stable text (may be "")."""
@@ -144,15 +143,14 @@ class StreamDetokenizer:
         delta = self._step(token_id) or ""
         if delta:
             self._parts.append(delta)
-            self._emitted += len(delta)
         return delta
 
     def flush(self) -> str:
         """At finish: whatever is still held back (may end with U+FFFD)."""
-        rest = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)[self._emitted:]
+        full = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
+        rest = full[len(self.text):]
         if rest:
             self._parts.append(rest)
-            self._emitted += len(rest)
         return rest
 
     @property

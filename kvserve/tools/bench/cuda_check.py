@@ -25,9 +25,10 @@ For each:
    of batch-1 decode: bytes a step reads (weights + K/V at the mean context) over the device's
    measured read bandwidth.
 
-With --json-dir the JSON is rewritten after every engine's figures, so a run cut off by a
-time limit keeps what it measured. `--device cpu` runs it all on the CPU (the dry run the tests use). Exit status: 0 when every
-request matches or parts at a near-tie; 1 on a mismatch; 2 on bad input or no device.
+With --json-dir the JSON is rewritten after every engine's figures, so a run cut off by a time
+limit keeps what it measured. `--device cpu` runs it all on the CPU (the dry run the tests use).
+Exit status: 0 when every request matches or parts at a near-tie; 1 on a mismatch; 2 on bad input
+or no device.
 
     python -m kvserve.tools.bench.cuda_check --help
 """
