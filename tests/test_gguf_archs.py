@@ -8,6 +8,8 @@ Oracle: the original HF model (fp32) for every position's logits and for greedy 
 the fp32 conversion and the file's own blocks (float activations)."""
 from __future__ import annotations
 
+import json
+
 import gguf
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ from kvserve.loading import gguf as kv_gguf
 from kvserve.loading import load_model
 from kvserve.loading.errors import ModelLoadError
 from kvserve.loading.save import hf_config_dict
+from kvserve.loading.tokenizer import HF_TOKENIZER_CLASSES, convert_gguf_tokenizer
 from tests.logits import all_position_logits
 from tests.test_gguf_llama import write_llama_gguf
 from tests.tiny_models import hf_greedy, make_model, random_prompts
@@ -144,3 +147,25 @@ def test_rope_freqs_beside_a_rope_scaling_type_is_refused(llama31, tmp_path, mon
     monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path / "cache"))
     with pytest.raises(ModelLoadError, match="rope_freqs.weight and llama.rope.scaling.type 'linear' together"):
         load_model(both, gguf_blocks=True)
+
+
+@pytest.mark.parametrize("arch,kind,name", [
+    ("llama", "llama", "tiny-llama"), ("llama", "llama", "tiny-mistral"), ("qwen2", "qwen2", "tiny-qwen2"),
+    ("qwen3", "qwen3", "tiny-qwen3"), ("qwen2moe", "qwen2_moe", "tiny-qwen2moe"), ("qwen3moe", "qwen3_moe", "tiny-qwen3moe")])
+def test_the_named_tokenizer_class_converts_as_autotokenizer(tmp_path, arch, kind, name):
+    """A tokenizer conversion names transformers' class for the file's architecture
+    (`HF_TOKENIZER_CLASSES`) instead of letting AutoTokenizer read the whole file to find it: the
+    oracle is AutoTokenizer on the same file, for every architecture the loader reads (gemma3: the
+    bundled file, tests/test_tokenizer_spm.py). A "mistral" general.name turns HF's model type
+    for a llama file into mistral's."""
+    import transformers
+
+    assert set(HF_TOKENIZER_CLASSES) == set(kv_gguf.SUPPORTED_ARCHS)
+    hf = make_model(kind, tmp_path / "hf", **({"mlp_only_layers": []} if "moe" in kind else {}))
+    path = tmp_path / "gguf" / f"{name}.gguf"
+    path.parent.mkdir()
+    write_llama_gguf(hf, tmp_path / "hf" / "tokenizer.json", path, "F32", "default", arch=arch, name=name)
+    convert_gguf_tokenizer(path, tmp_path / "tokenizer.json")
+    auto = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    assert type(auto).__name__ == HF_TOKENIZER_CLASSES[arch]
+    assert json.loads((tmp_path / "tokenizer.json").read_text()) == json.loads(auto.backend_tokenizer.to_str())

@@ -90,7 +90,7 @@ def _gguf_name(hf_name: str) -> str:
 
 
 def write_llama_gguf(model, tokenizer_json: Path, out: Path, qtype: str, pre: str,
-                     chat_template: str | None = None, arch: str = "llama") -> None:
+                     chat_template: str | None = None, arch: str = "llama", name: str = "tiny-llama") -> None:
     """`arch` "qwen2" / "qwen3" / "qwen2moe" / "qwen3moe": those families as llama.cpp writes them (q/k rows not
     permuted; the MoE expert widths as their own keys). A llama3 rope scaling becomes the
     rope_freqs tensor, as llama.cpp writes Llama 3.1+."""
@@ -102,7 +102,7 @@ def write_llama_gguf(model, tokenizer_json: Path, out: Path, qtype: str, pre: st
     ftype = gguf.LlamaFileType.ALL_F32 if qtype == "F32" else gguf.LlamaFileType.MOSTLY_Q8_0
 
     w = gguf.GGUFWriter(str(out), arch)
-    w.add_name("tiny-llama")
+    w.add_name(name)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import re
+import struct
 import tempfile
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -22,6 +23,7 @@ from sentencepiece import sentencepiece_model_pb2 as pb
 from kvserve.kernels.host_memory import release_freed_memory
 from kvserve.loading.cache import replace_atomically
 from kvserve.loading.errors import ModelLoadError
+from kvserve.loading.gguf_file import GGUFFile
 
 
 class Tokenizer:
@@ -283,7 +285,7 @@ def write_gguf_tokenizer(gguf_path: Path, meta: dict, architecture: str, folder:
     blob = sentencepiece_model(meta, architecture)
     if blob is None:
         out = folder / "tokenizer.json"
-        convert_gguf_tokenizer(gguf_path, out)
+        convert_gguf_tokenizer(gguf_path, out, architecture)
         return out
     out = folder / "tokenizer.model"
     replace_atomically(out, lambda tmp: Path(tmp).write_bytes(blob))
@@ -295,17 +297,41 @@ def cached_gguf_tokenizer(folder: Path) -> Path | None:
     return next((f for f in (folder / "tokenizer.model", folder / "tokenizer.json") if f.exists()), None)
 
 
-def convert_gguf_tokenizer(gguf_path: Path, out_path: Path) -> None:
-    """One-time conversion of a GGUF vocabulary to tokenizer.json (needs `transformers`)."""
+# The transformers 5 tokenizer class that AutoTokenizer picks for a GGUF file of each architecture
+# (tests/test_tokenizer_spm.py and tests/test_gguf_archs.py hold the two equal). Naming it spares
+# AutoTokenizer's first step, which reads all of the file's metadata with gguf-py's reader only to
+# find the model type: for a 262k vocabulary ~16 of 18.7 s (docs/ARCHITECTURE.md). transformers
+# 4 names its fast classes otherwise, so there AutoTokenizer chooses.
+HF_TOKENIZER_CLASSES = {"gemma3": "GemmaTokenizer", "llama": "TokenizersBackend", "qwen2": "Qwen2Tokenizer",
+                        "qwen3": "Qwen2Tokenizer", "qwen2moe": "Qwen2Tokenizer", "qwen3moe": "Qwen2Tokenizer"}
+
+
+def _architecture(gguf_path: Path) -> str | None:
+    """general.architecture of a GGUF file (its header alone), None where it cannot be read:
+    AutoTokenizer then reads the file and says what is wrong with it."""
     try:
-        from transformers import (
-            AutoTokenizer,  # heavy; imported only for this conversion
-        )
+        arch = GGUFFile(gguf_path, values=False).fields.get("general.architecture")
+    except (OSError, ValueError, struct.error):
+        return None
+    return arch if isinstance(arch, str) else None
+
+
+def convert_gguf_tokenizer(gguf_path: Path, out_path: Path, architecture: str | None = None) -> None:
+    """One-time conversion of a GGUF vocabulary to tokenizer.json by transformers' own converter
+    (needs `transformers`). `architecture`, the file's general.architecture (read from its header
+    when not given), names the tokenizer class; AutoTokenizer finds any other."""
+    try:
+        import transformers  # heavy; imported only for this conversion
     except ImportError:
         raise ModelLoadError(
             gguf_path, "converting its tokenizer (once per file) needs the 'transformers' package: "
             "pip install 'kvserve[convert]'"
         ) from None
+    if architecture is None:
+        architecture = _architecture(gguf_path)
+    major = int(transformers.__version__.split(".")[0])
+    named = HF_TOKENIZER_CLASSES.get(architecture, "") if major >= 5 else ""
+    cls = getattr(transformers, named, None) or transformers.AutoTokenizer
 
     # Convert from a folder holding only a link to the GGUF: a tokenizer.json lying beside the
     # file would otherwise be picked up by transformers instead of the GGUF's own vocabulary.
@@ -313,7 +339,7 @@ def convert_gguf_tokenizer(gguf_path: Path, out_path: Path) -> None:
         link = Path(tmp) / gguf_path.name
         link.symlink_to(gguf_path.resolve())
         try:
-            tok = AutoTokenizer.from_pretrained(tmp, gguf_file=link.name)
+            tok = cls.from_pretrained(tmp, gguf_file=link.name)
         except Exception as e:
             raise ModelLoadError(gguf_path, f"cannot build a tokenizer from its vocabulary ({e})") from None
     replace_atomically(out_path, lambda tmp: tok.backend_tokenizer.save(str(tmp)))
