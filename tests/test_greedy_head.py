@@ -63,6 +63,48 @@ def test_screen_equals_the_full_argmax(v, k, m):
     assert torch.equal(got, _full_argmax(x, panels))
 
 
+def _bitmask(allowed: torch.Tensor) -> torch.Tensor:
+    """[M, V] bool -> [M, ceil(V / 32)] int32 words, xgrammar's layout (bit v % 32 of word v // 32)."""
+    m, v = allowed.shape
+    bits = torch.zeros(m, -(-v // 32) * 32, dtype=torch.int64)
+    bits[:, :v] = allowed.long()
+    words = (bits.view(m, -1, 32) << torch.arange(32)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+@needs_screen
+@pytest.mark.parametrize("v, k, m", [(1000, 64, 5), (4099, 33, 7), (20000, 128, 13)])
+def test_a_masked_screen_equals_the_argmax_of_the_masked_logits(v, k, m):
+    """A grammar's mask: each row's argmax over its allowed tokens, the logits with
+    `apply_token_bitmask` applied (the oracle): every token, random halves, a few far from the
+    unmasked argmax, the last partial panel alone, one token; a row allowing none is left at -1."""
+    g = torch.Generator().manual_seed(v + k)
+    w = torch.randn(v, k, generator=g) * 0.05
+    x = torch.randn(m, k, generator=g) * 3
+    x[:, 0] *= 40
+    panels = Panels.pack(w)
+    screen = kernels.pack_head_screen(panels.packed, panels.rows)
+    allowed = torch.rand(m, v, generator=g) < 0.5
+    allowed[0] = True
+    allowed[1] = False
+    allowed[1, torch.randint(v, (5,), generator=g)] = True
+    allowed[2] = False
+    allowed[2, v - (v % 16 or 16):] = True  # the last panel's tokens only
+    allowed[3] = False
+    allowed[3, v // 2] = True
+    allowed[4] = False
+    mask = _bitmask(allowed)
+    got = kernels.screen_argmax(x, panels.packed, panels.rows, screen, mask)
+    logits = panels.matmul(x)
+    kernels.apply_token_bitmask(logits, mask, list(range(m)))
+    want = kernels.argmax_rows(logits)
+    assert got[4] == -1 and got[3] == v // 2
+    assert torch.equal(got[:4], want[:4]) and torch.equal(got[5:], want[5:])
+    assert got[1] != _full_argmax(x[1:2], panels)[0]  # the mask, not the logits alone, chose it
+    with pytest.raises(ValueError, match="allowed"):
+        kernels.screen_argmax(x, panels.packed, panels.rows, screen, mask[:, 1:])
+
+
 @needs_screen
 def test_exact_ties_take_the_first_index_and_near_ties_are_told_apart():
     g = torch.Generator().manual_seed(0)
@@ -107,7 +149,7 @@ s = kernels.pack_head_screen(p.packed, p.rows)
 tok = torch.empty(3, dtype=torch.int64)
 kernels.kernel_lib("greedy_head").screen_argmax(
     x.data_ptr(), p.packed.data_ptr(), p.packed.shape[2], s.q.data_ptr(), s.scale.data_ptr(), s.c1.data_ptr(),
-    s.c2.data_ptr(), tok.data_ptr(), 3, 3000, 64, 4096, 4)
+    s.c2.data_ptr(), None, 0, tok.data_ptr(), 3, 3000, 64, 4096, 4)
 want = kernels.argmax_rows(p.matmul(x))
 assert torch.equal(tok, want), (tok, want)
 """
@@ -203,3 +245,40 @@ def test_greedy_speculative_verification_through_the_screen(gemma, monkeypatch):
     n = len(calls)
     out = llm.generate(prompts[0], with_lp)[0].outputs[0]
     assert out.token_ids == want[0] and len(out.logprobs) == 24 and len(calls) == n
+
+
+@needs_screen
+def test_greedy_under_grammars_through_the_masked_screen(gemma_llm, monkeypatch):
+    """Greedy rows under a JSON schema, a regex and a choice (beside an unconstrained greedy row)
+    take their tokens from the screen with their grammars' masks, not from full logits: the same
+    tokens as the full logits masked by the sampler (the engine told it has no screen), and every
+    constrained step through the screen. A sampled constrained row puts its step back on the
+    full logits."""
+    from kvserve import SamplingParams
+    from kvserve.engine.model_runner import ModelRunner
+    from kvserve.sampling_params import StructuredOutputsParams as SO
+
+    masked = []
+    real = kernels.screen_argmax
+    monkeypatch.setattr(kernels, "screen_argmax",
+                        lambda *a, **k: masked.append(a[4] is not None) or real(*a, **k))
+    prompts = ["A user record as JSON:", "Email:", "The best city is", "The capital of France is"]
+    constraints = [SO(json={"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+                            "required": ["name", "age"]}, disable_any_whitespace=True), SO(regex=r"[a-z]{2,8}@[a-z]{2,6}\.(com|org)"),
+                   SO(choice=["Paris", "London", "New York"]), None]
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=c) for c in constraints]
+    got = gemma_llm.generate(prompts, params)
+    assert sum(masked) >= max(len(o.outputs[0].token_ids) for o in got) - 1  # (the first tokens: prefill)
+    assert [o.outputs[0].finish_reason for o in got[1:3]] == ["stop"] * 2
+    assert got[2].outputs[0].text in ("Paris", "London", "New York")
+    n = len(masked)
+    with monkeypatch.context() as m:
+        m.setattr(ModelRunner, "has_greedy_screen", property(lambda self: False))
+        want = gemma_llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert not any(masked[n:])
+    sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=20, structured_outputs=constraints[1])
+    n = len(masked)
+    mixed = [o.outputs[0].token_ids for o in gemma_llm.generate(prompts[:2], [params[0], sampled])]
+    assert mixed[0] == got[0].outputs[0].token_ids
+    assert sum(masked[n:]) <= len(mixed[0]) - len(mixed[1])  # only the steps after the sampled row ended

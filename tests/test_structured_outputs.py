@@ -179,7 +179,8 @@ def test_sampled_json_regex_choice_hold(gemma_llm):
 
 def test_greedy_json_equals_hf_generate_under_xgrammar_mask(gemma, gemma_llm, hf_gemma, hf_gemma_tokenizer):
     """The oracle: HF generate with a logits processor applying xgrammar's mask, from xgrammar's own
-    view of transformers' tokenizer; greedy tokens equal, token for token."""
+    view of transformers' tokenizer; greedy tokens equal, token for token, from the full logits
+    (logprobs asked) and from the head's screen under the mask (none asked)."""
     ids = gemma.tokenizer.encode(PROMPT, add_special_tokens=False)
     out = gemma_llm.generate(ids, SamplingParams(temperature=0, max_tokens=60, logprobs=0,
                                                  structured_outputs=StructuredOutputsParams(json=PERSON)))[0]
@@ -203,6 +204,10 @@ def test_greedy_json_equals_hf_generate_under_xgrammar_mask(gemma, gemma_llm, hf
                                 eos_token_id=gemma.tokenizer.eos_token_ids)
     assert out.token_ids == ref[0, len(ids):].tolist()
     assert out.outputs[0].finish_reason == "stop" and _valid(out.text, PERSON)
+    # Without logprobs the tokens come from the head's screen under the mask (no full logits).
+    screened = gemma_llm.generate(ids, SamplingParams(temperature=0, max_tokens=60,
+                                                      structured_outputs=StructuredOutputsParams(json=PERSON)))[0]
+    assert screened.token_ids == out.token_ids
     # Logprobs are the model's own (the raw logits), not the masked distribution's.
     with torch.no_grad():
         raw = hf_gemma(ref).logits[0, len(ids) - 1:-1].float().log_softmax(-1)

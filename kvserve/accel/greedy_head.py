@@ -53,13 +53,15 @@ class GreedyHead:
             self.screen, self._source = screen, self.panels.packed
         return True
 
-    def tokens(self, hidden: torch.Tensor) -> tuple[torch.Tensor, list[int]] | None:
+    def tokens(self, hidden: torch.Tensor, allowed: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, list[int]] | None:
         """hidden [N, K] -> (tokens [N] int64, rows the screen left at -1 for the caller to compute
-        in full), or None where the screen does not apply (another dtype or device)."""
+        in full), or None where the screen does not apply (another dtype or device). allowed: each
+        row's allowed tokens (`kernels.screen_argmax`)."""
         if (hidden.dim() != 2 or hidden.dtype != torch.float32 or hidden.device.type != "cpu"
                 or hidden.shape[1] != self.weight.shape[1] or hidden.shape[0] == 0 or not self._current()):
             return None
-        tokens = kernels.screen_argmax(hidden, self.panels.packed, self.panels.rows, self.screen)
+        tokens = kernels.screen_argmax(hidden, self.panels.packed, self.panels.rows, self.screen, allowed)
         return tokens, (tokens < 0).nonzero().flatten().tolist()
 
 
@@ -92,20 +94,23 @@ def drop_head_screen(model: nn.Module) -> None:
     _SCREENS.pop(model, None)
 
 
-def greedy_tokens(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:
+def greedy_tokens(model: nn.Module, hidden: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor | None:
     """hidden [N, hidden] -> [N] int64, each row's first index of the maximum of
     model.compute_logits(hidden) (bitwise the same logits), through the head's int8 screen; None
-    where there is none (no packed fp32 head, logit soft-capping)."""
+    where there is none (no packed fp32 head, logit soft-capping). allowed: [N, ceil(V / 32)]
+    int32, the tokens each row may take (a grammar's mask): the maximum over those alone."""
     screen = _SCREENS.get(model)
     if screen is None or model.config.final_logit_softcapping or screen.panels is not packed_head(model):
         return None
-    found = screen.tokens(hidden)
+    found = screen.tokens(hidden, allowed)
     if found is None:
         return None
     tokens, unsettled = found
-    if unsettled:  # rare: too many near-ties, or a zero row; the full logits of those rows
+    if unsettled:  # rare: too many near-ties, a zero row, a row allowing nothing; their full logits
         idx = torch.tensor(unsettled)
         logits = model.compute_logits(hidden.index_select(0, idx), upcast=False)
+        if allowed is not None:
+            kernels.apply_token_bitmask(logits, allowed.index_select(0, idx).contiguous(), list(range(len(unsettled))))
         picked = kernels.argmax_rows(logits)
         tokens[idx] = logits.max(dim=-1).indices if picked is None else picked
     return tokens

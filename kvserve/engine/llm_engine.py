@@ -326,6 +326,10 @@ class LLMEngine:
         elif step_batch.argmax_only(batch, self.sampler):
             tokens, logits = self.runner.execute_greedy(batch.inputs)  # tokens without the full logits
             picked = None if tokens is None else tokens.tolist()
+        elif self.runner.has_greedy_screen and (allowed := step_batch.argmax_masks(
+                batch, self.sampler, self.runner.model.config.vocab_size)) is not None:
+            tokens, logits = self.runner.execute_greedy(batch.inputs, allowed)  # greedy under grammars
+            picked = None if tokens is None else tokens.tolist()
         else:
             logits = self.runner.execute(batch.inputs)
         # Speculative tokens are appended before `update` (which sets num_rejected-aware

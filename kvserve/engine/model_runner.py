@@ -9,7 +9,7 @@ import torch
 
 from kvserve.accel.compiled import compile_step, run_compiled
 from kvserve.accel.decode_plan import run_decode_plan
-from kvserve.accel.greedy_head import greedy_tokens
+from kvserve.accel.greedy_head import greedy_tokens, head_screen
 from kvserve.engine.cuda_graphs import DecodeGraphs
 from kvserve.model.attention import (
     AttentionMetadata,
@@ -198,16 +198,24 @@ class ModelRunner:
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden, upcast=False)
 
+    @property
+    def has_greedy_screen(self) -> bool:
+        """The model's head has an int8 screen (kvserve/accel/greedy_head.py): greedy tokens,
+        masked or not, come without the full logits."""
+        return head_screen(self.model) is not None
+
     @torch.inference_mode()
-    def execute_greedy(self, inputs: Seq[StepInput]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def execute_greedy(self, inputs: Seq[StepInput], allowed: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """A forward pass whose logit rows all want only their argmax: (tokens [rows] int64, None)
         where the model's greedy screen applies (the argmax of the logits `execute` returns,
-        without computing them), else (None, those logits)."""
-        replayed = self._replay(inputs, None)
+        without computing them), else (None, those logits). allowed: [rows, ceil(V / 32)] int32,
+        the tokens each row may take (grammars' masks): the argmax over those."""
+        replayed = self._replay(inputs, None) if allowed is None else None  # (a graph's argmax is unmasked)
         if replayed is not None:
             return replayed[0], None
         hidden = self._forward(inputs, None)
-        tokens = greedy_tokens(self.model, hidden) if hidden.shape[0] else None
+        tokens = greedy_tokens(self.model, hidden, allowed) if hidden.shape[0] else None
         if tokens is not None:
             return tokens, None
         if hidden.shape[0] == 0:

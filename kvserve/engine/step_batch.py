@@ -118,6 +118,14 @@ def argmax_only(b: StepBatch, sampler: Sampler) -> bool:
     return sampler.greedy_only([sampling_request(s) for s in seqs])
 
 
+def argmax_masks(b: StepBatch, sampler: Sampler, vocab_size: int) -> torch.Tensor | None:
+    """A step without drafts whose logit rows all want only their argmax, some under a grammar:
+    each row's allowed tokens ([rows, ceil(V / 32)] int32, in row order); else None."""
+    if b.spec or not b.num_rows or b.rows != list(range(b.num_rows)):
+        return None
+    return sampler.greedy_masks([sampling_request(s) for s in b.samplers], vocab_size)
+
+
 def sampling_groups(rows: list[int], samplers: list[Sequence]) -> list[tuple[list[int], list[Sequence]]]:
     """(logits rows, sequences) to sample together: every sequence with a row of its own in
     one batch, then the samples forked from one parent a parent at a time, each from the

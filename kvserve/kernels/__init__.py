@@ -145,7 +145,7 @@ _SIGNATURES: dict[str, dict[str, tuple[list, object]]] = {
                    "panel_gemm": ([_P, _P, _P, _I, _I, _I, _I], None)},
     "greedy_head": {"screen_available": ([], ctypes.c_int),  # exact greedy tokens of an fp32 head
                     "screen_pack": ([_P, _I, _P, _P, _P, _P, _I, _I, _I], ctypes.c_int),
-                    "screen_argmax": ([_P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I], ctypes.c_int)},
+                    "screen_argmax": ([_P, _P, _I, _P, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I], ctypes.c_int)},
 }
 
 
@@ -561,18 +561,27 @@ SCREEN_CAP = 4096  # candidates a row may keep per thread before the caller comp
 
 
 def screen_argmax(x: torch.Tensor, packed: torch.Tensor, n: int, screen: HeadScreen,
-                  cap: int = SCREEN_CAP) -> torch.Tensor:
+                  allowed: torch.Tensor | None = None, cap: int = SCREEN_CAP) -> torch.Tensor:
     """x [M, K] fp32 (CPU) -> [M] int64: each row's first index of the maximum of
     panel_matmul(x, packed, n) (packed: the head [n, K] from pack_panels, the screen from
-    pack_head_screen of it), found through the screen; -1 for a row it did not settle."""
+    pack_head_screen of it), found through the screen; -1 for a row it did not settle.
+    allowed: [M, ceil(n / 32)] int32 in `apply_token_bitmask`'s layout, each row's maximum then
+    taken over its allowed tokens only (the logits with `apply_token_bitmask` applied); a row
+    allowing none is left at -1."""
     lib = _screen_lib()
     assert lib is not None and screen.scale.shape[0] == n, "pack_head_screen first"
     x = x.contiguous()
     m, k = x.shape
+    words = -(-n // 32)
+    if allowed is not None:
+        if allowed.dtype != torch.int32 or allowed.device.type != "cpu" or tuple(allowed.shape) != (m, words):
+            raise ValueError(f"allowed must be a [{m}, {words}] int32 CPU bitmask, got "
+                             f"{tuple(allowed.shape)} {allowed.dtype} on {allowed.device}")
+        allowed = allowed.contiguous()
     tokens = torch.empty(m, dtype=torch.int64)
     lib.screen_argmax(x.data_ptr(), packed.data_ptr(), packed.shape[2], screen.q.data_ptr(), screen.scale.data_ptr(),
-                      screen.c1.data_ptr(), screen.c2.data_ptr(), tokens.data_ptr(), m, n, k, cap,
-                      torch.get_num_threads())
+                      screen.c1.data_ptr(), screen.c2.data_ptr(), None if allowed is None else allowed.data_ptr(),
+                      words, tokens.data_ptr(), m, n, k, cap, torch.get_num_threads())
     return tokens
 
 

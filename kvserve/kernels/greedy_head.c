@@ -160,10 +160,21 @@ static inline void push(cand *mine, int *cnt, int cap, int v, double up) {
     ++*cnt;
 }
 
+/* Bit c of the result: token v0 + c may be chosen (bit v % 32 of word v / 32 of the row's allowed
+ * mask, xgrammar's layout; no mask: every token). v0 is a multiple of PT = 16, so a panel's bits
+ * lie in one word. */
+static inline unsigned allowed_bits(const int32_t *allowed, int v0) {
+    return allowed ? ((uint32_t)allowed[v0 >> 5] >> (v0 & 31)) & 0xFFFFu : 0xFFFFu;
+}
+
 /* One row's 16 dots of a panel -> bounds: raise the row's best lower bound T, keep the tokens whose
- * upper bound reaches it (tokens v0 .. v0 + ncols - 1; stats of those tokens). */
+ * upper bound reaches it (tokens v0 .. v0 + ncols - 1; stats of those tokens). Tokens the row's
+ * mask forbids neither raise T nor are kept: the argmax is then that of the masked logits. */
 static inline void bounds(const int32_t *dots, const double *scale, const double *c1, const double *c2, int ncols,
-                          double sh, double hl1, double r, double *T, int v0, cand *mine, int *cnt, int cap) {
+                          double sh, double hl1, double r, double *T, int v0, const int32_t *allowed, cand *mine,
+                          int *cnt, int cap) {
+    const unsigned bits = allowed_bits(allowed, v0);
+    if (!bits) return;
 #if defined(__AVX512F__)
     if (ncols == PT) { /* 2 x 8 doubles: the same arithmetic per token as the AVX2 branch below */
         __m512d up[2], lo_max = _mm512_set1_pd(-INFINITY);
@@ -177,13 +188,13 @@ static inline void bounds(const int32_t *dots, const double *scale, const double
             width = _mm512_add_pd(width, _mm512_mul_pd(_mm512_abs_pd(est), rel));
             width = _mm512_add_pd(_mm512_mul_pd(width, slack), abs_slack);
             up[j] = _mm512_add_pd(est, width);
-            lo_max = _mm512_max_pd(lo_max, _mm512_sub_pd(est, width));
+            lo_max = _mm512_mask_max_pd(lo_max, (__mmask8)(bits >> (8 * j)), lo_max, _mm512_sub_pd(est, width));
         }
         const double l = _mm512_reduce_max_pd(lo_max);
         if (l > *T) *T = l;
         const __m512d t = _mm512_set1_pd(*T);
         for (int j = 0; j < 2; j++) {
-            unsigned mask = _mm512_cmp_pd_mask(up[j], t, _CMP_GE_OQ);
+            unsigned mask = _mm512_cmp_pd_mask(up[j], t, _CMP_GE_OQ) & (bits >> (8 * j)) & 0xFFu;
             if (!mask) continue;
             double u[8];
             _mm512_storeu_pd(u, up[j]);
@@ -199,7 +210,8 @@ static inline void bounds(const int32_t *dots, const double *scale, const double
         __m256d up[4], lo_max = _mm256_set1_pd(-INFINITY);
         const __m256d vsh = _mm256_set1_pd(sh), vl1 = _mm256_set1_pd(hl1), vr = _mm256_set1_pd(r);
         const __m256d rel = _mm256_set1_pd(1e-12), slack = _mm256_set1_pd(SLACK), abs_slack = _mm256_set1_pd(ABS_SLACK);
-        const __m256d sign = _mm256_set1_pd(-0.0);
+        const __m256d sign = _mm256_set1_pd(-0.0), none = _mm256_set1_pd(-INFINITY);
+        const __m256i lane_bit = _mm256_setr_epi64x(1, 2, 4, 8);
         for (int j = 0; j < 4; j++) {
             const __m256d d = _mm256_cvtepi32_pd(_mm_loadu_si128((const __m128i *)(dots + 4 * j)));
             const __m256d est = _mm256_mul_pd(_mm256_mul_pd(_mm256_loadu_pd(scale + 4 * j), vsh), d);
@@ -208,7 +220,9 @@ static inline void bounds(const int32_t *dots, const double *scale, const double
             width = _mm256_add_pd(width, _mm256_mul_pd(_mm256_andnot_pd(sign, est), rel));
             width = _mm256_add_pd(_mm256_mul_pd(width, slack), abs_slack);
             up[j] = _mm256_add_pd(est, width);
-            lo_max = _mm256_max_pd(lo_max, _mm256_sub_pd(est, width));
+            const __m256i lanes = _mm256_and_si256(_mm256_set1_epi64x((bits >> (4 * j)) & 0xF), lane_bit);
+            const __m256d keep = _mm256_castsi256_pd(_mm256_cmpeq_epi64(lanes, lane_bit));
+            lo_max = _mm256_max_pd(lo_max, _mm256_blendv_pd(none, _mm256_sub_pd(est, width), keep));
         }
         double l[4];
         _mm256_storeu_pd(l, lo_max);
@@ -216,7 +230,7 @@ static inline void bounds(const int32_t *dots, const double *scale, const double
             if (l[j] > *T) *T = l[j];
         const __m256d t = _mm256_set1_pd(*T);
         for (int j = 0; j < 4; j++) {
-            int mask = _mm256_movemask_pd(_mm256_cmp_pd(up[j], t, _CMP_GE_OQ));
+            int mask = _mm256_movemask_pd(_mm256_cmp_pd(up[j], t, _CMP_GE_OQ)) & (int)((bits >> (4 * j)) & 0xF);
             if (!mask) continue;
             double u[4];
             _mm256_storeu_pd(u, up[j]);
@@ -229,6 +243,7 @@ static inline void bounds(const int32_t *dots, const double *scale, const double
     }
 #endif
     for (int c = 0; c < ncols; c++) { /* the last, partial panel */
+        if (!((bits >> c) & 1)) continue;
         const double est = scale[c] * sh * (double)dots[c];
         const double width = (hl1 * c1[c] + r * c2[c] + fabs(est) * 1e-12) * SLACK + ABS_SLACK;
         if (est - width > *T) *T = est - width;
@@ -238,10 +253,12 @@ static inline void bounds(const int32_t *dots, const double *scale, const double
 
 /* x [M, K] fp32 rows, wp the fp32 head packed by panel_gemm.c's pack_panels (pw columns a panel),
  * q/scale/c1/c2 from screen_pack -> tokens [M]: each row's argmax; -1 for a row the screen did not
- * settle (more than cap candidates in one thread, a zero or non-finite row) and the caller
- * computes in full. Returns how many rows those are. */
+ * settle (more than cap candidates in one thread, a zero or non-finite row, no allowed token) and
+ * the caller computes in full. Returns how many rows those are. allowed: NULL, or [M, W] int32
+ * words of allowed tokens (a grammar's mask): each row's argmax over those tokens alone. */
 int screen_argmax(const float *x, const float *wp, int pw, const int8_t *q, const double *scale, const double *c1,
-                  const double *c2, int64_t *tokens, int M, int V, int K, int cap, int threads) {
+                  const double *c2, const int32_t *allowed, int W, int64_t *tokens, int M, int V, int K, int cap,
+                  int threads) {
     const int Kp = K + (K & 1), P = (V + PT - 1) / PT;
     const int QH = (int)fmin(16383.0, floor(2147483647.0 / (127.0 * Kp)));
     int16_t *hq = calloc((size_t)M * Kp, sizeof *hq);
@@ -314,7 +331,8 @@ int screen_argmax(const float *x, const float *wp, int pw, const int8_t *q, cons
                     const int row = m + i;
                     if (!skip[row])
                         bounds(dots[i], scale + p * PT, c1 + p * PT, c2 + p * PT, ncols, sh[row], hl1[row], r[row],
-                               &T[row], p * PT, mine + (size_t)row * cap, &cnt[row], cap);
+                               &T[row], p * PT, allowed ? allowed + (size_t)row * W : NULL,
+                               mine + (size_t)row * cap, &cnt[row], cap);
                 }
             }
         }
@@ -363,8 +381,10 @@ int screen_pack(const float *wp, int pw, int8_t *q, double *scale, double *c1, d
     return 1;
 }
 int screen_argmax(const float *x, const float *wp, int pw, const int8_t *q, const double *scale, const double *c1,
-                  const double *c2, int64_t *tokens, int M, int V, int K, int cap, int threads) {
-    (void)x, (void)wp, (void)pw, (void)q, (void)scale, (void)c1, (void)c2, (void)V, (void)K, (void)cap, (void)threads;
+                  const double *c2, const int32_t *allowed, int W, int64_t *tokens, int M, int V, int K, int cap,
+                  int threads) {
+    (void)x, (void)wp, (void)pw, (void)q, (void)scale, (void)c1, (void)c2, (void)allowed, (void)W, (void)V, (void)K,
+        (void)cap, (void)threads;
     for (int i = 0; i < M; i++) tokens[i] = -1;
     return M;
 }

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve import kernels
-from kvserve.sampling.structured import GrammarState, apply_masks
+from kvserve.sampling.structured import GrammarState, apply_masks, token_bitmask
 from kvserve.sampling_params import SamplingParams
 
 
@@ -62,6 +62,12 @@ def penalizes(p: SamplingParams) -> bool:
 
 def _plain_greedy(req: SamplingRequest) -> bool:
     return (req.params.greedy and req.params.logprobs is None and req.grammar is None
+            and not _needs_penalties(req))
+
+
+def _masked_greedy(req: SamplingRequest) -> bool:
+    """Greedy under a grammar and nothing else: the argmax of the logits its mask leaves."""
+    return (req.params.greedy and req.params.logprobs is None and req.grammar is not None
             and not _needs_penalties(req))
 
 
@@ -254,6 +260,15 @@ class Sampler:
         """Every request takes the argmax of its raw logits and reports no logprobs: the engine
         may pick the tokens without the logits (kvserve/accel/greedy_head.py)."""
         return all(_plain_greedy(r) for r in requests)
+
+    @staticmethod
+    def greedy_masks(requests: list[SamplingRequest], vocab_size: int) -> torch.Tensor | None:
+        """Where every request takes the argmax of its raw logits, some under a grammar, and none
+        reports logprobs: the tokens each row may take ([N, ceil(V / 32)] int32, `token_bitmask`),
+        so that the engine may pick them without the logits; else None."""
+        if not all(_plain_greedy(r) or _masked_greedy(r) for r in requests) or all(_plain_greedy(r) for r in requests):
+            return None
+        return token_bitmask([r.grammar for r in requests], vocab_size)
 
     def __call__(self, logits: torch.Tensor, requests: list[SamplingRequest]) -> SamplerOutput:
         """logits: [N, V] float (one row per request) -> one token per row."""

@@ -242,16 +242,21 @@ class GrammarBackend:
         return GrammarState(_xgr().GrammarMatcher(compiled))
 
 
+def token_bitmask(states: Sequence[GrammarState | None], vocab_size: int) -> torch.Tensor:
+    """[N, ceil(V / 32)] int32: the tokens each row's grammar allows next (bit v % 32 of word
+    v // 32), every token for a row without a state."""
+    # All ones (-1): every token allowed. (xgrammar's allocate_token_bitmask fills from a tensor
+    # scalar, ~100x slower than this.)
+    bitmask = torch.full(_xgr().get_bitmask_shape(len(states), vocab_size), -1, dtype=torch.int32)
+    for i, state in enumerate(states):
+        if state is not None:
+            state.fill(bitmask, i)
+    return bitmask
+
+
 def apply_masks(logits: torch.Tensor, states: Sequence[GrammarState | None]) -> None:
     """Set to -inf, in place, every token the row's grammar forbids next (rows without a state
     are left alone). logits: [N, V]."""
-    xgr = _xgr()
     rows = [i for i, s in enumerate(states) if s is not None]
-    if not rows:
-        return
-    # All ones (-1): every token allowed. (xgrammar's allocate_token_bitmask fills from a tensor
-    # scalar, ~100x slower than this.)
-    bitmask = torch.full(xgr.get_bitmask_shape(len(states), logits.shape[1]), -1, dtype=torch.int32)
-    for i in rows:
-        states[i].fill(bitmask, i)
-    kernels.apply_token_bitmask(logits, bitmask, rows)
+    if rows:
+        kernels.apply_token_bitmask(logits, token_bitmask(states, logits.shape[1]), rows)
