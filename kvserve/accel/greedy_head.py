@@ -110,7 +110,7 @@ def greedy_tokens(model: nn.Module, hidden: torch.Tensor, allowed: torch.Tensor 
         idx = torch.tensor(unsettled)
         logits = model.compute_logits(hidden.index_select(0, idx), upcast=False)
         if allowed is not None:
-            kernels.apply_token_bitmask(logits, allowed.index_select(0, idx).contiguous(), list(range(len(unsettled))))
+            kernels.apply_token_bitmask(logits, allowed.index_select(0, idx), list(range(len(unsettled))))
         picked = kernels.argmax_rows(logits)
         tokens[idx] = logits.max(dim=-1).indices if picked is None else picked
     return tokens

@@ -121,8 +121,8 @@ def argmax_only(b: StepBatch, sampler: Sampler) -> bool:
 def argmax_masks(b: StepBatch, sampler: Sampler, vocab_size: int) -> torch.Tensor | None:
     """A step without drafts whose logit rows all want only their argmax, some under a grammar:
     each row's allowed tokens ([rows, ceil(V / 32)] int32, in row order); else None."""
-    if b.spec or not b.num_rows or b.rows != list(range(b.num_rows)):
-        return None
+    if b.spec or not any(s.grammar is not None for s in b.samplers) or b.rows != list(range(b.num_rows)):
+        return None  # (first the cheap tests: most steps hold no constrained row)
     return sampler.greedy_masks([sampling_request(s) for s in b.samplers], vocab_size)
 
 

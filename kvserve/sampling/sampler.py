@@ -60,15 +60,14 @@ def penalizes(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
+def _argmax_row(req: SamplingRequest) -> bool:
+    """Greedy without logprobs or penalties: the argmax of the raw logits, under the row's
+    grammar mask where it has one."""
+    return req.params.greedy and req.params.logprobs is None and not _needs_penalties(req)
+
+
 def _plain_greedy(req: SamplingRequest) -> bool:
-    return (req.params.greedy and req.params.logprobs is None and req.grammar is None
-            and not _needs_penalties(req))
-
-
-def _masked_greedy(req: SamplingRequest) -> bool:
-    """Greedy under a grammar and nothing else: the argmax of the logits its mask leaves."""
-    return (req.params.greedy and req.params.logprobs is None and req.grammar is not None
-            and not _needs_penalties(req))
+    return req.grammar is None and _argmax_row(req)
 
 
 def _penalize_row(row: torch.Tensor, req: SamplingRequest, eos_token_ids: Sequence[int]) -> None:
@@ -266,7 +265,7 @@ class Sampler:
         """Where every request takes the argmax of its raw logits, some under a grammar, and none
         reports logprobs: the tokens each row may take ([N, ceil(V / 32)] int32, `token_bitmask`),
         so that the engine may pick them without the logits; else None."""
-        if not all(_plain_greedy(r) or _masked_greedy(r) for r in requests) or all(_plain_greedy(r) for r in requests):
+        if all(r.grammar is None for r in requests) or not all(_argmax_row(r) for r in requests):
             return None
         return token_bitmask([r.grammar for r in requests], vocab_size)
 
