@@ -293,6 +293,11 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
     tp.add_argument("--kv-cache-gib", type=float, default=None)
     tp.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+    tp.add_argument("--temperature", type=float, default=0.0,
+                    help="0 = greedy (the default); above 0 every request samples, HF with do_sample too")
+    tp.add_argument("--top-p", type=float, default=1.0)
+    tp.add_argument("--top-k", type=int, default=0, help="0 = off")
+    tp.add_argument("--min-p", type=float, default=0.0)
     tp.add_argument("--hf-batch-sizes", type=_int_list, default=[], help="comma list; empty = skip HF")
     tp.add_argument("--plot", default=None, help="PNG of throughput vs --max-num-seqs")
     tp.add_argument("--json", default=None)

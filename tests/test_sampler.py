@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvserve import kernels
 from kvserve.sampling import Sampler, SamplingRequest, apply_penalties, filter_logits
+from kvserve.sampling import sampler as sampler_module
 from kvserve.sampling_params import SamplingParams
 
 EOS = 2
@@ -233,6 +235,97 @@ def test_rounding_overflow_never_picks_a_filtered_token(monkeypatch: pytest.Monk
     logits = torch.tensor([[0.0, 1.0, -torch.inf, -torch.inf], [0.0, 1.0, 5.0, -30.0]])
     params = [SamplingParams(), SamplingParams(top_k=2)]
     assert Sampler([9])(logits, [req(p) for p in params]).token_ids == [1, 2]
+
+
+def _oracle_token(row: torch.Tensor, p: SamplingParams, u: float) -> int:
+    """Brute force in float64: the kept set (top-k keeps ties at the k-th value; top-p walks the
+    tokens by logit, ties by index, while the mass before each is below p), then the first token
+    whose cumulative kept mass exceeds u * total."""
+    x = row.double() / torch.tensor(p.temperature, dtype=torch.float32).double()
+    order = sorted(range(len(x)), key=lambda i: (-x[i].item(), i))
+    keep = torch.ones(len(x), dtype=torch.bool)
+    if 0 < p.top_k < len(x):
+        keep &= x >= x[order[p.top_k - 1]]
+    e = (x - x.max()).exp()
+    if p.top_p < 1.0:
+        target = float(torch.tensor(p.top_p, dtype=torch.float32)) * e[keep].sum().item()
+        walked, before = torch.zeros_like(keep), 0.0
+        for i in order:
+            if not keep[i] or before >= target:
+                break
+            walked[i] = True
+            before += e[i].item()
+        keep = walked
+    if p.min_p > 0.0:
+        keep &= e >= p.min_p
+    cdf = torch.where(keep, e, 0.0).cumsum(0)
+    token = int(torch.searchsorted(cdf, u * cdf[-1].item(), right=True))
+    return token if token < len(x) else int(keep.nonzero().max())  # u * total rounded up: the last kept
+
+
+KERNEL_PARAMS = [*FILTER_PARAMS, SamplingParams(temperature=0.3, top_k=300, top_p=0.99),
+                 SamplingParams(temperature=0.7, top_p=0.9, top_k=100, min_p=0.05)]
+
+
+needs_sampling_kernel = pytest.mark.skipif(kernels.kernel_lib("sampling") is None, reason="no C compiler")
+
+
+@needs_sampling_kernel
+@pytest.mark.parametrize("vocab,scale", [(64, 2.0), (4097, 0.05), (4097, 3.0), (4097, 12.0)])
+def test_sampling_kernel_draws_the_float64_oracle_token(vocab: int, scale: float) -> None:
+    """kernels/sampling.c against brute force: random rows (flat to peaked), ten draws a row, 0
+    among them. (A draw within ~1e-12 of 1 lands among tail tokens whose masses differ between
+    fp32 and float64 exponentials: there the two disagree within rounding.)"""
+    gen = torch.Generator().manual_seed(vocab + int(scale * 100))
+    logits = torch.randn(len(KERNEL_PARAMS), vocab, generator=gen) * scale
+    rows = list(range(len(KERNEL_PARAMS)))
+    for draw in range(10):
+        u = (torch.tensor([0.0, 0.999], dtype=torch.float64).repeat(len(rows))[: len(rows)] if draw == 0
+             else torch.rand(len(rows), generator=gen, dtype=torch.float64))
+        tokens = kernels.sample_rows(logits, rows, [p.temperature for p in KERNEL_PARAMS],
+                                     [p.top_k if p.top_k < vocab else 0 for p in KERNEL_PARAMS],
+                                     [p.top_p for p in KERNEL_PARAMS], [p.min_p for p in KERNEL_PARAMS], u)
+        want = [_oracle_token(logits[i], p, u[i].item()) for i, p in enumerate(KERNEL_PARAMS)]
+        assert tokens.tolist() == want, (draw, u.tolist())
+
+
+@needs_sampling_kernel
+def test_sampling_kernel_keeps_ties_and_skips_masked_tokens() -> None:
+    """Whole-number logits tie often (top-k keeps every tie at the k-th value, top-p cuts ties by
+    index); -inf tokens (a grammar's mask) are never drawn; rows are read in place."""
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randint(-3, 4, (6, 300), generator=gen).float()
+    logits[:, ::3] = float("-inf")
+    params = [SamplingParams(top_k=7), SamplingParams(top_p=0.4), SamplingParams(top_k=50, top_p=0.6),
+              SamplingParams(temperature=0.5, min_p=0.3), SamplingParams(top_k=1), SamplingParams(temperature=3.0)]
+    rows = [5, 0, 3, 1, 4, 2]
+    for _ in range(20):
+        u = torch.rand(len(rows), generator=gen, dtype=torch.float64)
+        tokens = kernels.sample_rows(logits, rows, [p.temperature for p in params], [p.top_k for p in params],
+                                     [p.top_p for p in params], [p.min_p for p in params], u)
+        assert tokens.tolist() == [_oracle_token(logits[r], p, u[j].item()) for j, (r, p) in enumerate(zip(rows, params))]
+        assert all(t % 3 for t in tokens.tolist())
+
+
+@needs_sampling_kernel
+def test_rows_the_kernel_leaves_take_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A NaN row or one with no finite logit gives what the torch path gives it; the other rows
+    of the batch still come from the kernel, drawing from the same generators."""
+    logits = torch.randn(4, 500, generator=torch.Generator().manual_seed(5))
+    logits[1, 7] = float("nan")
+    logits[2] = float("-inf")
+    params = [SamplingParams(top_p=0.8), SamplingParams(), SamplingParams(top_k=5), SamplingParams(min_p=0.1)]
+
+    def draw() -> list[int]:
+        return Sampler([EOS])(logits, [req(p, seed=i) for i, p in enumerate(params)]).token_ids
+
+    calls = []
+    monkeypatch.setattr(sampler_module, "filter_logits", lambda x, ps: calls.append(len(ps)) or filter_logits(x, ps))
+    got = draw()
+    assert calls == [2]  # the NaN row and the -inf row
+    monkeypatch.setattr(kernels, "sample_rows", lambda *a, **k: None)
+    assert draw() == got
+    assert calls == [2, 4]  # the torch path: every row at once
 
 
 # ---------------------------------------------------------------- penalties

@@ -47,7 +47,7 @@ def _cpu_signature() -> str:
 # Libraries a source links beyond libm: gelu.c, prefill_attention.c and paged_attention.c call
 # glibc's vector tanhf / expf (libmvec); where it is missing the build fails and that kernel falls
 # back to torch.
-_LIBS = {"gelu.c": ["-lmvec"], "prefill_attention.c": ["-lmvec"], "paged_attention.c": ["-lmvec"]}
+_LIBS = {"gelu.c": ["-lmvec"], "prefill_attention.c": ["-lmvec"], "paged_attention.c": ["-lmvec"], "sampling.c": ["-lmvec"]}
 
 
 COMPILE_TIMEOUT_S = 300  # one kernel builds in seconds; a hung compiler must not hang the engine
@@ -135,6 +135,7 @@ _SIGNATURES: dict[str, dict[str, tuple[list, object]]] = {
     "rope_cache": {"norm_rope_write": ([_P, _L, _P, _L, _P, _L, _I, _I, _I, _I, _P, _P, _F, _P, _P, _P, _P, _P, _P,
                                         _I, _I], None)},  # a decode step's attention prologue
     "argmax": {"argmax_rows": ([_P, _P, _I, ctypes.c_int64, _I], None)},  # greedy picks
+    "sampling": {"sample_rows": ([_P, _L, _P, _I, _I, _P, _P, _P, _P, _P, _P, _I], None)},  # random picks
     "token_mask": {"apply_token_bitmask": ([_P, _P, _P, _I, _L, _L, _I], None)},  # structured outputs
     "gelu": {"gelu_tanh_mul": ([_P, _P, _P, _I, _I, _L, _I], None),  # Gemma's MLP activation
              "silu_mul": ([_P, _P, _P, _I, _I, _L, _I], None)},  # Llama's
@@ -469,6 +470,30 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
     x = x.contiguous()
     out = torch.empty(x.shape[0], dtype=torch.int64)
     lib.argmax_rows(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads())
+    return out
+
+
+def sample_rows(logits: torch.Tensor, rows: list[int], temperature: list[float], top_k: list[int],
+                top_p: list[float], min_p: list[float], u: torch.Tensor) -> torch.Tensor | None:
+    """One token for each row `rows[r]` of logits [N, V] fp32 (CPU, unit stride along V) drawn with
+    the uniform number u[r] (float64) under temperature[r] > 0, top_k[r], top_p[r] and min_p[r]:
+    the token of sampler.py's torch path (filter_logits, then the inverse-CDF draw) for that
+    draw (kernels/sampling.c). -> [len(rows)] int64, -1 for a row holding a NaN or no finite
+    logit; None when the kernel does not apply."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
+        return None
+    lib = kernel_lib("sampling")
+    if lib is None or not rows:
+        return None
+    out = torch.empty(len(rows), dtype=torch.int64)
+    idx = torch.tensor(rows, dtype=torch.int64)
+    temps = torch.tensor(temperature, dtype=torch.float32)
+    ks = torch.tensor(top_k, dtype=torch.int32)
+    ps, mins = torch.tensor(top_p, dtype=torch.float32), torch.tensor(min_p, dtype=torch.float32)
+    u = u.to(torch.float64).contiguous()
+    lib.sample_rows(logits.data_ptr(), logits.stride(0), idx.data_ptr(), len(rows), logits.shape[1], temps.data_ptr(),
+                    ks.data_ptr(), ps.data_ptr(), mins.data_ptr(), u.data_ptr(), out.data_ptr(),
+                    torch.get_num_threads())
     return out
 
 

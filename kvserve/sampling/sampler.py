@@ -195,35 +195,64 @@ def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
     return x
 
 
-def _sample_from(x: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-    """Sample one token per row of softmax(x) [M, V]; returns [M] long."""
-    return sample_from_probs(x.softmax(dim=-1), generators)
+def _sample_from(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Sample one token per row of softmax(x) [M, V] with the uniform numbers u [M]; [M] long."""
+    return inverse_cdf(x.softmax(dim=-1), u)
 
 
-def sample_from_probs(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-    """Sample one token per row of probs [M, V] (non-negative, row sums > 0, not necessarily
-    normalised: the draw is scaled by each row's total); returns [M] long.
-
-    Inverse CDF: one uniform number per row, then a binary search in the float64 cumulative
-    sum (one random draw instead of V exponentials: ~20x cheaper at V=262144). Each seeded
-    row draws from its own generator, so its token does not depend on the other rows.
-    """
-    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
-    u = torch.empty(len(generators), dtype=torch.float64, device=probs.device)
+def uniforms(generators: Sequence[torch.Generator | None], device: torch.device) -> torch.Tensor:
+    """One uniform number in [0, 1) per row, float64 [M]: each seeded row from its own generator
+    (so its token does not depend on the other rows), the others from the global RNG."""
+    u = torch.empty(len(generators), dtype=torch.float64, device=device)
     unseeded = [i for i, g in enumerate(generators) if g is None]
     if unseeded:
-        u[torch.tensor(unseeded, device=probs.device)] = torch.rand(
-            len(unseeded), dtype=torch.float64, device=probs.device
-        )
+        u[torch.tensor(unseeded, device=device)] = torch.rand(len(unseeded), dtype=torch.float64, device=device)
     for i, gen in enumerate(generators):
         if gen is not None:
-            u[i] = torch.rand((), dtype=torch.float64, device=probs.device, generator=gen)
+            u[i] = torch.rand((), dtype=torch.float64, device=device, generator=gen)
+    return u
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The token of each row of probs [M, V] (non-negative, row sums > 0, not necessarily
+    normalised: the draw is scaled by each row's total) at the uniform number u [M]: the first
+    whose float64 cumulative sum exceeds u * total. One random draw instead of V exponentials
+    (~20x cheaper at V=262144)."""
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
     # right=True: the first index whose cdf exceeds the target, so a p=0 token is never hit.
     tokens = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
     overflow = tokens >= probs.shape[1]  # u * total rounded up to the total
     if bool(overflow.any()):
         last_kept = probs.shape[1] - 1 - (probs > 0).flip(-1).int().argmax(dim=-1)
         tokens = torch.where(overflow, last_kept, tokens)
+    return tokens
+
+
+def sample_from_probs(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """Sample one token per row of probs [M, V] (see `inverse_cdf`), one uniform draw per row
+    (`uniforms`); returns [M] long."""
+    return inverse_cdf(probs, uniforms(generators, probs.device))
+
+
+def sample_rows(logits: torch.Tensor, rows: list[int], params: Sequence[SamplingParams],
+                generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """A random token for each row `rows[j]` of logits [N, V] under params[j] (temperature,
+    top-k, top-p, min-p) -> [len(rows)] long. fp32 rows on the CPU take kvserve's C kernel,
+    which draws the token of the torch path (`filter_logits`, then `inverse_cdf`) for the same
+    uniform number without the [M, V] temporaries or a sort; the rest, and any row the kernel
+    leaves (a NaN), take the torch path."""
+    u = uniforms(generators, logits.device)
+    vocab = logits.shape[1]
+    tokens = kernels.sample_rows(logits, rows, [p.temperature for p in params],
+                                 [p.top_k if 0 < p.top_k < vocab else 0 for p in params],
+                                 [p.top_p for p in params], [p.min_p for p in params], u)
+    if tokens is None:  # (every row of the batch: no gather copy)
+        x = logits if rows == list(range(logits.shape[0])) else logits[torch.tensor(rows, device=logits.device)]
+        return _sample_from(filter_logits(x, params), u)
+    left = (tokens < 0).nonzero().flatten().tolist()
+    if left:
+        x = logits[torch.tensor([rows[j] for j in left])]
+        tokens[left] = _sample_from(filter_logits(x, [params[j] for j in left]), u[left])
     return tokens
 
 
@@ -297,12 +326,11 @@ class Sampler:
         tokens = logits.argmax(dim=-1) if len(random_rows) < len(requests) else None
         if not random_rows:
             return tokens
-        params = [requests[i].params for i in random_rows]
-        generators = [requests[i].generator for i in random_rows]
-        if tokens is None:  # all rows random: no gather copy
-            return _sample_from(filter_logits(logits, params), generators)
-        idx = torch.tensor(random_rows, device=logits.device)
-        tokens[idx] = _sample_from(filter_logits(logits[idx], params), generators)
+        picked = sample_rows(logits, random_rows, [requests[i].params for i in random_rows],
+                             [requests[i].generator for i in random_rows])
+        if tokens is None:  # all rows random
+            return picked
+        tokens[torch.tensor(random_rows, device=logits.device)] = picked
         return tokens
 
     def token_logprobs(

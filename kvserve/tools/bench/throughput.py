@@ -1,7 +1,8 @@
 """`kvserve bench throughput`: offline throughput on a fixed random workload.
 
 N requests with input lengths uniform in [a, b] and output lengths uniform in [c, d] (fixed
-seed, ignore_eos, random token ids as vLLM's "random" dataset), all submitted at once.
+seed, ignore_eos, random token ids as vLLM's "random" dataset), all submitted at once; greedy,
+or sampled under one temperature / top-p / top-k / min-p setting.
 Optionally, side by side in the same run: HF transformers generating the same requests in
 padded static batches (left padding, each batch runs to its longest output), and a sweep of
 kvserve's --max-num-seqs.
@@ -68,9 +69,35 @@ def make_workload(n: int, input_range: tuple[int, int], output_range: tuple[int,
     return Workload(prompts, outs)
 
 
-def run_kvserve(loaded, wl: Workload, **engine_args) -> Result:
+@dataclass(frozen=True)
+class Sampling:
+    """How every request of the workload picks its tokens (temperature 0: greedy)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+
+    def __str__(self) -> str:
+        if self.temperature == 0.0:
+            return "greedy"
+        return ", ".join(f"{k}={v}" for k, v in asdict(self).items() if v != getattr(Sampling, k) or k == "temperature")
+
+    def params(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                              max_tokens=max_tokens, ignore_eos=True)
+
+    def hf_generate_kwargs(self) -> dict:
+        """The same setting for HF generate (whose top_k defaults to 50: 0 turns it off)."""
+        if self.temperature == 0.0:
+            return {"do_sample": False}
+        return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                "min_p": self.min_p or None}
+
+
+def run_kvserve(loaded, wl: Workload, sampling: Sampling = Sampling(), **engine_args) -> Result:
     llm = LLM(loaded=loaded, **engine_args)
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
+    params = [sampling.params(n) for n in wl.output_lens]
     t = time.perf_counter()
     llm.generate(wl.prompts[:2], [SamplingParams(temperature=0, max_tokens=2)] * 2)  # warm-up
     llm.generate(wl.prompts[:1], SamplingParams(temperature=0, max_tokens=2))  # and a one-row step (compile)
@@ -95,14 +122,16 @@ def run_kvserve(loaded, wl: Workload, **engine_args) -> Result:
     produced = sum(len(o.token_ids) for o in outs)
     assert produced == wl.output_tokens, f"expected {wl.output_tokens} output tokens, got {produced}"
     stats = engine.stats()
-    setting = f"max_num_seqs={engine.config.max_num_seqs}, max_num_batched_tokens={engine.config.max_num_batched_tokens}"
+    setting = (f"max_num_seqs={engine.config.max_num_seqs}, max_num_batched_tokens={engine.config.max_num_batched_tokens}"
+               f", {sampling}")
     return Result("kvserve", setting, dt, produced / dt, (produced + wl.input_tokens) / dt, len(outs) / dt,
                   {"peak_kv_blocks": peak["blocks"], "kv_blocks_total": engine.num_blocks,
                    "num_preemptions": stats["num_preemptions"],
                    "mean_ttft_s": sum(o.metrics.ttft for o in outs) / len(outs), "warmup_s": warmup})
 
 
-def run_hf(model_path: Path, wl: Workload, batch_size: int, dtype: torch.dtype, pad_id: int) -> Result:
+def run_hf(model_path: Path, wl: Workload, batch_size: int, dtype: torch.dtype, pad_id: int,
+           sampling: Sampling = Sampling()) -> Result:
     """HF transformers, static batches in submission order, left-padded, each batch generating
     its longest requested output (the shorter requests' extra tokens are wasted work)."""
     model = _hf_model(model_path, dtype)
@@ -117,10 +146,10 @@ def run_hf(model_path: Path, wl: Workload, batch_size: int, dtype: torch.dtype, 
             ids[r, width - len(p):] = torch.tensor(p)
             mask[r, width - len(p):] = 1
         with torch.no_grad():
-            model.generate(ids, attention_mask=mask, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
-                           pad_token_id=pad_id)
+            model.generate(ids, attention_mask=mask, max_new_tokens=n_new, min_new_tokens=n_new, pad_token_id=pad_id,
+                           **sampling.hf_generate_kwargs())
     dt = time.perf_counter() - t
-    return Result("hf", f"static batch {batch_size}", dt, wl.output_tokens / dt,
+    return Result("hf", f"static batch {batch_size}, {sampling}", dt, wl.output_tokens / dt,
                   (wl.output_tokens + wl.input_tokens) / dt, len(wl.prompts) / dt, {})
 
 
@@ -188,17 +217,19 @@ def main(args) -> int:
     cfg = loaded.config
     wl = make_workload(args.num_prompts, tuple(args.input_len), tuple(args.output_len), cfg.vocab_size,
                        cfg.bos_token_id, args.seed)
+    sampling = Sampling(args.temperature, args.top_p, args.top_k, args.min_p)
+    sampling.params(1)  # a bad setting fails here, naming the field, before any engine starts
     results: list[Result] = []
     engine_args = dict(kv_cache_gib=args.kv_cache_gib, max_num_batched_tokens=args.max_num_batched_tokens,
                        enable_prefix_caching=False, weights=args.weights, pack_weights=args.pack_weights,
                        compile=args.compile, kv_cache_dtype=args.kv_cache_dtype)
     for n in args.max_num_seqs:
-        r = run_kvserve(loaded, wl, max_num_seqs=n, **engine_args)
+        r = run_kvserve(loaded, wl, sampling, max_num_seqs=n, **engine_args)
         r.extra["max_num_seqs"] = n
         results.append(r)
         print(f"kvserve max_num_seqs={n}: {r.output_tok_s:.1f} output tok/s")
     for b in args.hf_batch_sizes:
-        r = run_hf(loaded.source, wl, b, resolve_dtype(args.dtype), cfg.pad_token_id or 0)
+        r = run_hf(loaded.source, wl, b, resolve_dtype(args.dtype), cfg.pad_token_id or 0, sampling)
         results.append(r)
         print(f"HF static batch {b}: {r.output_tok_s:.1f} output tok/s")
     print_table(results, wl)
