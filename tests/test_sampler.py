@@ -328,6 +328,23 @@ def test_rows_the_kernel_leaves_take_the_torch_path(monkeypatch: pytest.MonkeyPa
     assert calls == [2, 4]  # the torch path: every row at once
 
 
+@needs_sampling_kernel
+@pytest.mark.parametrize("scale", [0.05, 3.0])
+def test_filtered_softmax_is_the_torch_distribution(scale: float) -> None:
+    """The kernel's distributions (what speculative decoding's rejection rule reads): the kept set
+    of the float64 brute force, the torch path's probabilities within fp32 rounding; a NaN row
+    the torch path's."""
+    logits = torch.randn(len(KERNEL_PARAMS), 4097, generator=torch.Generator().manual_seed(21)) * scale
+    logits[2, :7] = float("-inf")
+    logits[4, 9] = float("nan")
+    got = sampler_module.filtered_softmax(logits, KERNEL_PARAMS)
+    want = filter_logits(logits, KERNEL_PARAMS).softmax(dim=-1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-9, equal_nan=True)
+    for i, p in enumerate(KERNEL_PARAMS):
+        if i != 4:
+            assert set(got[i].nonzero().flatten().tolist()) == _reference_keep(logits[i], p), p
+
+
 # ---------------------------------------------------------------- penalties
 
 

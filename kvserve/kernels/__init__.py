@@ -135,7 +135,8 @@ _SIGNATURES: dict[str, dict[str, tuple[list, object]]] = {
     "rope_cache": {"norm_rope_write": ([_P, _L, _P, _L, _P, _L, _I, _I, _I, _I, _P, _P, _F, _P, _P, _P, _P, _P, _P,
                                         _I, _I], None)},  # a decode step's attention prologue
     "argmax": {"argmax_rows": ([_P, _P, _I, ctypes.c_int64, _I], None)},  # greedy picks
-    "sampling": {"sample_rows": ([_P, _L, _P, _I, _I, _P, _P, _P, _P, _P, _P, _I], None)},  # random picks
+    "sampling": {"sample_rows": ([_P, _L, _P, _I, _I, _P, _P, _P, _P, _P, _P, _I], None),  # random picks
+                 "filtered_probs": ([_P, _L, _P, _I, _I, _P, _P, _P, _P, _P, _P, _I], None)},
     "token_mask": {"apply_token_bitmask": ([_P, _P, _P, _I, _L, _L, _I], None)},  # structured outputs
     "gelu": {"gelu_tanh_mul": ([_P, _P, _P, _I, _I, _L, _I], None),  # Gemma's MLP activation
              "silu_mul": ([_P, _P, _P, _I, _I, _L, _I], None)},  # Llama's
@@ -473,28 +474,50 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
+def _sampling_args(logits: torch.Tensor, rows: list[int], temperature: list[float], top_k: list[int],
+                   top_p: list[float], min_p: list[float]) -> tuple | None:
+    """sampling.c's row arguments (kept alive by the caller), or None when the kernels do not apply."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
+        return None
+    if not rows or kernel_lib("sampling") is None:
+        return None
+    return (torch.tensor(rows, dtype=torch.int64), torch.tensor(temperature, dtype=torch.float32),
+            torch.tensor(top_k, dtype=torch.int32), torch.tensor(top_p, dtype=torch.float32),
+            torch.tensor(min_p, dtype=torch.float32))
+
+
 def sample_rows(logits: torch.Tensor, rows: list[int], temperature: list[float], top_k: list[int],
                 top_p: list[float], min_p: list[float], u: torch.Tensor) -> torch.Tensor | None:
     """One token for each row `rows[r]` of logits [N, V] fp32 (CPU, unit stride along V) drawn with
-    the uniform number u[r] (float64) under temperature[r] > 0, top_k[r], top_p[r] and min_p[r]:
-    the token of sampler.py's torch path (filter_logits, then the inverse-CDF draw) for that
-    draw (kernels/sampling.c). -> [len(rows)] int64, -1 for a row holding a NaN or no finite
+    the uniform number u[r] (float64) under temperature[r] > 0, top_k[r] (0: off), top_p[r] and
+    min_p[r]: the token of sampler.py's torch path (filter_logits, then the inverse-CDF draw) for
+    that draw (kernels/sampling.c). -> [len(rows)] int64, -1 for a row holding a NaN or no finite
     logit; None when the kernel does not apply."""
-    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
-        return None
-    lib = kernel_lib("sampling")
-    if lib is None or not rows:
+    args = _sampling_args(logits, rows, temperature, top_k, top_p, min_p)
+    if args is None:
         return None
     out = torch.empty(len(rows), dtype=torch.int64)
-    idx = torch.tensor(rows, dtype=torch.int64)
-    temps = torch.tensor(temperature, dtype=torch.float32)
-    ks = torch.tensor(top_k, dtype=torch.int32)
-    ps, mins = torch.tensor(top_p, dtype=torch.float32), torch.tensor(min_p, dtype=torch.float32)
     u = u.to(torch.float64).contiguous()
-    lib.sample_rows(logits.data_ptr(), logits.stride(0), idx.data_ptr(), len(rows), logits.shape[1], temps.data_ptr(),
-                    ks.data_ptr(), ps.data_ptr(), mins.data_ptr(), u.data_ptr(), out.data_ptr(),
-                    torch.get_num_threads())
+    kernel_lib("sampling").sample_rows(logits.data_ptr(), logits.stride(0), args[0].data_ptr(), len(rows),
+                                       logits.shape[1], *(a.data_ptr() for a in args[1:]), u.data_ptr(),
+                                       out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def filtered_probs(logits: torch.Tensor, rows: list[int], temperature: list[float], top_k: list[int],
+                   top_p: list[float], min_p: list[float]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The distributions `sample_rows` draws from: softmax(filter_logits(...)) of each row `rows[r]`
+    -> (probs [len(rows), V] fp32, failed [len(rows)] bool: rows holding a NaN or no finite
+    logit, left unwritten); None when the kernel does not apply."""
+    args = _sampling_args(logits, rows, temperature, top_k, top_p, min_p)
+    if args is None:
+        return None
+    probs = torch.empty(len(rows), logits.shape[1], dtype=torch.float32)
+    failed = torch.empty(len(rows), dtype=torch.int64)
+    kernel_lib("sampling").filtered_probs(logits.data_ptr(), logits.stride(0), args[0].data_ptr(), len(rows),
+                                          logits.shape[1], *(a.data_ptr() for a in args[1:]), probs.data_ptr(),
+                                          failed.data_ptr(), torch.get_num_threads())
+    return probs, failed.bool()
 
 
 def apply_token_bitmask(x: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:

@@ -21,7 +21,9 @@
  *      double) and a running sum inside the block the draw falls in: the token is the first whose
  *      running sum exceeds u * total; if rounding leaves none, the last kept token.
  *
- * A row that holds a NaN or no finite logit returns -1 (the caller draws it the torch way).
+ * `filtered_probs` stops after step 2 and writes the distribution itself (the kept tokens' e_i
+ * over their sum), which speculative decoding's rejection rule reads. A row that holds a NaN or
+ * no finite logit is left to the caller, who takes the torch path for it.
  */
 #include <math.h>
 #include <stdint.h>
@@ -254,23 +256,78 @@ static int64_t draw(const Rows *w, int n, Cut cut, float min_p, double u) {
     return -1;
 }
 
-static int64_t sample_row(const float *l, int n, float t, int top_k, float top_p, float min_p, double u,
-                          const Rows *w) {
+/* The row's scaled logits and exponentials (w->x, w->e) and its top-k / top-p cut; -1 where the
+ * row holds a NaN or no finite logit. */
+static int row_cut(const float *l, int n, float t, int top_k, float top_p, const Rows *w, Cut *cut) {
     const float lmax = row_max(l, n);
     if (isnan(lmax) || !isfinite(lmax / t)) return -1;
     const float m = lmax / t; /* division by t > 0 keeps the order: the largest x */
     exp_row(l, t, m, w->x, w->e, n);
-    Cut cut = {-INFINITY, n};
+    *cut = (Cut){-INFINITY, n};
     const int use_k = top_k > 0 && top_k < n, use_p = top_p < 1.0f;
     if (use_k || use_p) {
         histogram(w, m, n);
         double total = 0.0;
         for (int b = 0; b < BUCKETS; b++) total += w->mass[b];
         int kb = BUCKETS - 1;
-        if (use_k && top_k_cut(w, n, w->cnt, w->mass, top_k, &cut, &total, &kb)) return -1;
-        if (use_p && top_p_cut(w, n, w->cnt, w->mass, top_p, total, kb, &cut)) return -1;
+        if (use_k && top_k_cut(w, n, w->cnt, w->mass, top_k, cut, &total, &kb)) return -1;
+        if (use_p && top_p_cut(w, n, w->cnt, w->mass, top_p, total, kb, cut)) return -1;
     }
-    return draw(w, n, cut, min_p, u);
+    return 0;
+}
+
+static Rows rows_alloc(int V) {
+    return (Rows){malloc(sizeof(float) * (size_t)V), malloc(sizeof(float) * (size_t)V),
+                  malloc(sizeof(int32_t) * (size_t)V), malloc(sizeof(double) * (size_t)((V + BLOCK - 1) / BLOCK)),
+                  malloc(sizeof(int) * 4 * BUCKETS), malloc(sizeof(int) * BUCKETS),
+                  malloc(sizeof(double) * 4 * BUCKETS), malloc(sizeof(double) * BUCKETS)};
+}
+
+static int rows_ok(const Rows *w) {
+    return w->x && w->e && w->bucket && w->blocks && w->cnt4 && w->cnt && w->mass4 && w->mass;
+}
+
+static void rows_free(Rows *w) {
+    free(w->x);
+    free(w->e);
+    free(w->bucket);
+    free(w->blocks);
+    free(w->cnt4);
+    free(w->cnt);
+    free(w->mass4);
+    free(w->mass);
+}
+
+/* probs[i] = the kept tokens' e_i over their sum, 0 elsewhere (softmax of the filtered logits). */
+static void write_probs(const Rows *w, int n, Cut cut, float min_p, float *probs) {
+    const float *x = w->x, *e = w->e;
+    const float total = (float)kept_mass(x, e, 0, n, cut, min_p);
+#pragma omp simd
+    for (int i = 0; i < n; i++) probs[i] = kept(x[i], e[i], i, cut, min_p) ? e[i] / total : 0.0f;
+}
+
+/* Each row's cut, then its draw (probs NULL: out[r] the token or -1) or its distribution
+ * (out[r] 1 where the row failed, its probs row unwritten). */
+static void each_row(const float *logits, int64_t stride, const int64_t *rows, int M, int V, const float *temperature,
+                     const int *top_k, const float *top_p, const float *min_p, const double *u, int64_t *out,
+                     float *probs, int threads) {
+#pragma omp parallel num_threads(threads) if (M > 1)
+    {
+        Rows w = rows_alloc(V);
+#pragma omp for schedule(dynamic, 1)
+        for (int r = 0; r < M; r++) {
+            Cut cut;
+            const int ok =
+                rows_ok(&w) && !row_cut(logits + rows[r] * stride, V, temperature[r], top_k[r], top_p[r], &w, &cut);
+            if (probs) {
+                out[r] = !ok;
+                if (ok) write_probs(&w, V, cut, min_p[r], probs + (int64_t)r * V);
+            } else {
+                out[r] = ok ? draw(&w, V, cut, min_p[r], u[r]) : -1;
+            }
+        }
+        rows_free(&w);
+    }
 }
 
 /* logits [*, V] fp32 (row stride `stride`); for each of the M rows `rows[r]`: temperature[r] > 0,
@@ -279,24 +336,13 @@ static int64_t sample_row(const float *l, int n, float t, int top_k, float top_p
 void sample_rows(const float *logits, int64_t stride, const int64_t *rows, int M, int V, const float *temperature,
                  const int *top_k, const float *top_p, const float *min_p, const double *u, int64_t *out,
                  int threads) {
-#pragma omp parallel num_threads(threads) if (M > 1)
-    {
-        Rows w = {malloc(sizeof(float) * (size_t)V), malloc(sizeof(float) * (size_t)V),
-                  malloc(sizeof(int32_t) * (size_t)V), malloc(sizeof(double) * (size_t)((V + BLOCK - 1) / BLOCK)),
-                  malloc(sizeof(int) * 4 * BUCKETS), malloc(sizeof(int) * BUCKETS),
-                  malloc(sizeof(double) * 4 * BUCKETS), malloc(sizeof(double) * BUCKETS)};
-        const int ok = w.x && w.e && w.bucket && w.blocks && w.cnt4 && w.cnt && w.mass4 && w.mass;
-#pragma omp for schedule(dynamic, 1)
-        for (int r = 0; r < M; r++)
-            out[r] = ok ? sample_row(logits + rows[r] * stride, V, temperature[r], top_k[r], top_p[r], min_p[r], u[r], &w)
-                        : -1;
-        free(w.x);
-        free(w.e);
-        free(w.bucket);
-        free(w.blocks);
-        free(w.cnt4);
-        free(w.cnt);
-        free(w.mass4);
-        free(w.mass);
-    }
+    each_row(logits, stride, rows, M, V, temperature, top_k, top_p, min_p, u, out, NULL, threads);
+}
+
+/* The same rows' distributions: probs [M, V] (row-major), softmax of the filtered logits;
+ * failed[r] = 1 where the row holds a NaN or no finite logit (its probs row unwritten), else 0. */
+void filtered_probs(const float *logits, int64_t stride, const int64_t *rows, int M, int V, const float *temperature,
+                    const int *top_k, const float *top_p, const float *min_p, float *probs, int64_t *failed,
+                    int threads) {
+    each_row(logits, stride, rows, M, V, temperature, top_k, top_p, min_p, NULL, failed, probs, threads);
 }

@@ -234,6 +234,27 @@ def sample_from_probs(probs: torch.Tensor, generators: Sequence[torch.Generator 
     return inverse_cdf(probs, uniforms(generators, probs.device))
 
 
+def _kernel_settings(params: Sequence[SamplingParams], vocab: int) -> tuple[list, list, list, list]:
+    """Per row: temperature, top-k (0: off), top-p, min-p, as kernels/sampling.c takes them."""
+    return ([p.temperature for p in params], [p.top_k if 0 < p.top_k < vocab else 0 for p in params],
+            [p.top_p for p in params], [p.min_p for p in params])
+
+
+def filtered_softmax(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """softmax(filter_logits(logits, params)): the distribution each random row samples from,
+    logits [M, V] any float dtype -> [M, V] fp32. On the CPU through kvserve's C kernel (no
+    sort of the vocabulary), a row it leaves (a NaN) and every row elsewhere the torch way."""
+    x = logits.float()
+    got = kernels.filtered_probs(x, list(range(x.shape[0])), *_kernel_settings(params, x.shape[1]))
+    if got is None:
+        return filter_logits(x, params).softmax(dim=-1)
+    probs, failed = got
+    if bool(failed.any()):
+        left = failed.nonzero().flatten()
+        probs[left] = filter_logits(x[left], [params[i] for i in left.tolist()]).softmax(dim=-1)
+    return probs
+
+
 def sample_rows(logits: torch.Tensor, rows: list[int], params: Sequence[SamplingParams],
                 generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     """A random token for each row `rows[j]` of logits [N, V] under params[j] (temperature,
@@ -242,10 +263,7 @@ def sample_rows(logits: torch.Tensor, rows: list[int], params: Sequence[Sampling
     uniform number without the [M, V] temporaries or a sort; the rest, and any row the kernel
     leaves (a NaN), take the torch path."""
     u = uniforms(generators, logits.device)
-    vocab = logits.shape[1]
-    tokens = kernels.sample_rows(logits, rows, [p.temperature for p in params],
-                                 [p.top_k if 0 < p.top_k < vocab else 0 for p in params],
-                                 [p.top_p for p in params], [p.min_p for p in params], u)
+    tokens = kernels.sample_rows(logits, rows, *_kernel_settings(params, logits.shape[1]), u)
     if tokens is None:  # (every row of the batch: no gather copy)
         x = logits if rows == list(range(logits.shape[0])) else logits[torch.tensor(rows, device=logits.device)]
         return _sample_from(filter_logits(x, params), u)

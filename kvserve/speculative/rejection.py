@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.sampling.sampler import filter_logits, sample_from_probs
+from kvserve.sampling.sampler import filtered_softmax, sample_from_probs
 from kvserve.sampling_params import SamplingParams
 
 
@@ -28,7 +28,8 @@ def processed_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
 
     logits: [M, V], any float dtype; params: M random (temperature > 0) parameter sets.
     Returns [M, V] fp32: softmax(filter_logits(logits)), i.e. temperature, top-k, top-p and
-    min-p exactly as the normal sampler applies them; filtered tokens get probability 0.
+    min-p exactly as the normal sampler applies them (`filtered_softmax`, through the sampler's
+    C kernel on the CPU); filtered tokens get probability 0.
     """
     if logits.dim() != 2 or logits.shape[0] != len(params):
         raise ValueError(
@@ -36,7 +37,7 @@ def processed_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
         )
     if any(p.greedy for p in params):
         raise ValueError("processed_probs is only defined for random rows (temperature > 0)")
-    return filter_logits(logits.float(), params).softmax(dim=-1)
+    return filtered_softmax(logits, params)
 
 
 def sample_probs(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
