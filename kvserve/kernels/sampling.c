@@ -103,8 +103,9 @@ static float row_max(const float *l, int n) {
 }
 
 /* Each token's bucket (how far below the maximum m, in 1/32 nat; monotone in x, -inf last), and
- * the buckets' counts and masses (w->cnt, w->mass). */
-static void histogram(const Rows *w, float m, int n) {
+ * the buckets' counts and, `with_mass` (top-p needs them; top-k alone does not), masses
+ * (w->cnt, w->mass; masses 0 without). */
+static void histogram(const Rows *w, float m, int n, int with_mass) {
 #pragma omp simd
     for (int i = 0; i < n; i++) {
         const float d = (m - w->x[i]) * BUCKETS_PER_NAT;
@@ -117,11 +118,15 @@ static void histogram(const Rows *w, float m, int n) {
     memset(c4, 0, sizeof(int) * 4 * BUCKETS);
     memset(m4, 0, sizeof(double) * 4 * BUCKETS);
     int i = 0;
-    for (; i + 4 <= n; i += 4)
-        for (int j = 0; j < 4; j++) {
-            c4[j * BUCKETS + w->bucket[i + j]]++;
-            m4[j * BUCKETS + w->bucket[i + j]] += w->e[i + j];
-        }
+    if (with_mass)
+        for (; i + 4 <= n; i += 4)
+            for (int j = 0; j < 4; j++) {
+                c4[j * BUCKETS + w->bucket[i + j]]++;
+                m4[j * BUCKETS + w->bucket[i + j]] += w->e[i + j];
+            }
+    else
+        for (; i + 4 <= n; i += 4)
+            for (int j = 0; j < 4; j++) c4[j * BUCKETS + w->bucket[i + j]]++;
     for (; i < n; i++) {
         c4[w->bucket[i]]++;
         m4[w->bucket[i]] += w->e[i];
@@ -266,7 +271,7 @@ static int row_cut(const float *l, int n, float t, int top_k, float top_p, const
     *cut = (Cut){-INFINITY, n};
     const int use_k = top_k > 0 && top_k < n, use_p = top_p < 1.0f;
     if (use_k || use_p) {
-        histogram(w, m, n);
+        histogram(w, m, n, use_p);
         double total = 0.0;
         for (int b = 0; b < BUCKETS; b++) total += w->mass[b];
         int kb = BUCKETS - 1;
