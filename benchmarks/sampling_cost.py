@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -62,14 +62,10 @@ def time_sampler(logits: torch.Tensor, repeats: int) -> list[dict]:
             for name in ("torch", "kernel"):
                 for g, i in zip(gens, rows):
                     g.manual_seed(i)  # the same draws for both
-                if name == "torch":
-                    with torch_path():
-                        t = time.perf_counter()
-                        tokens[name] = sampler_module.sample_rows(logits, rows, params, gens)
-                else:
+                with torch_path() if name == "torch" else nullcontext():
                     t = time.perf_counter()
                     tokens[name] = sampler_module.sample_rows(logits, rows, params, gens)
-                times[name].append((time.perf_counter() - t) * 1e3)
+                    times[name].append((time.perf_counter() - t) * 1e3)
         rec = {"setting": str(s), "torch_ms": round(median(times["torch"]), 2),
                "kernel_ms": round(median(times["kernel"]), 2),
                "speedup": round(median(times["torch"]) / median(times["kernel"]), 2),
@@ -86,10 +82,7 @@ def time_engine(loaded, settings: list[Sampling], repeats: int) -> list[dict]:
     for _ in range(repeats):
         for s in [Sampling(), *settings]:
             for path in (("kernel", "torch") if s.temperature > 0 else ("greedy",)):
-                if path == "torch":
-                    with torch_path():
-                        r = run_kvserve(loaded, wl, s, max_num_seqs=64, enable_prefix_caching=False)
-                else:
+                with torch_path() if path == "torch" else nullcontext():
                     r = run_kvserve(loaded, wl, s, max_num_seqs=64, enable_prefix_caching=False)
                 runs.setdefault((str(s), path), []).append(round(r.output_tok_s, 1))
                 print(str(s), path, f"{r.output_tok_s:.1f} output tok/s", flush=True)
