@@ -23,6 +23,7 @@ from kvserve.weights.ggml import (
     GGMLLinear,
     row_bytes,
 )
+from tests.conftest import WIKITEXT
 
 T = gguf.GGMLQuantizationType
 # Byte offsets of each block's fp16 scale fields (random bytes there could be NaN or inf).
@@ -197,6 +198,7 @@ def test_gemma_blocks_compute_the_float_models_logits(gemma, gemma_blocks):
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
+# A sentence of WikiText-2 (tests/test_kv_half.py reads it too).
 WIKI_TEXT = ("Robert Boulter is an English film , television and theatre actor . He had a guest @-@ starring role on "
              "the television series The Bill in 2000 . This was followed by a starring role in the play Herons "
              "written by Simon Stephens")
@@ -204,24 +206,29 @@ WIKI_TEXT = ("Robert Boulter is an English film , television and theatre actor .
 
 @pytest.mark.slow
 def test_gemma_int8_activations_stay_close_to_the_float_model(gemma, gemma_path):
-    """The contract of int8 activations (llama.cpp's arithmetic) on the bundled model, on text:
-    per position KL(float || int8) below 0.01 on average (measured 0.0023) and 0.05 at worst
-    (0.014); the text's mean NLL within 0.5% (3.6903 vs 3.6913); top-1 equal at 85% of positions
-    or more (92%)."""
+    """The contract of int8 activations (llama.cpp's arithmetic) on the bundled model, over the
+    first 512 tokens of WikiText-2's test text: per-position KL(float || int8) 0.005 on average
+    (measured 0.0019-0.0023 over four windows, with the per-row kernel and with the GEMM) and
+    0.05 at the 99th percentile (0.007-0.017); the mean NLL within 0.5% (0.04-0.13%); top-1 equal
+    at 93% of positions or more (96-98%). Over a few dozen tokens these statistics move with the
+    last bits of a sum's order (the GEMM's against the per-row kernel's: a 52-token sentence's NLL
+    0.7% against 0.03% off), so the window is long enough to average the rounding out."""
     from kvserve.loading import load_model
     from tests.logits import all_position_logits
 
     int8 = load_model(gemma_path, gguf_blocks=True)
     assert all(m.int8_path for m in int8.model.modules() if isinstance(m, GGMLLinear))
-    ids = gemma.tokenizer.encode(WIKI_TEXT)
+    text = (WIKITEXT / "wiki.test.raw").read_text(encoding="utf-8")[:2400]
+    ids = gemma.tokenizer.encode(text)[:512]
+    assert len(ids) == 512
     ref = torch.log_softmax(all_position_logits(gemma, ids).double(), -1)
     ours = torch.log_softmax(all_position_logits(int8, ids).double(), -1)
     kl = (ref.exp() * (ref - ours)).sum(-1)
-    assert kl.mean() < 0.01 and kl.max() < 0.05, (kl.mean(), kl.max())
+    assert kl.mean() < 0.005 and kl.quantile(0.99) < 0.05, (kl.mean(), kl.quantile(0.99))
     target = torch.tensor(ids[1:])[:, None]
     nll_ref, nll = -ref[:-1].gather(1, target).mean(), -ours[:-1].gather(1, target).mean()
     assert abs(nll / nll_ref - 1) < 0.005, (nll_ref, nll)
-    assert (ours.argmax(-1) == ref.argmax(-1)).double().mean() >= 0.85
+    assert (ours.argmax(-1) == ref.argmax(-1)).double().mean() >= 0.93
 
 
 def greedy_parts_only_at_near_ties(ref, got, tie: float) -> None:
