@@ -282,3 +282,157 @@ def test_greedy_under_grammars_through_the_masked_screen(gemma_llm, monkeypatch)
     mixed = [o.outputs[0].token_ids for o in gemma_llm.generate(prompts[:2], [params[0], sampled])]
     assert mixed[0] == got[0].outputs[0].token_ids
     assert sum(masked[n:]) <= len(mixed[0]) - len(mixed[1])  # only the steps after the sampled row ended
+
+
+def _screen_top_k(w: torch.Tensor, x: torch.Tensor, top_k: list[int], cap: int = kernels.SCREEN_CAP):
+    panels = Panels.pack(w)
+    screen = kernels.pack_head_screen(panels.packed, panels.rows)
+    logits, left = kernels.screen_top_k(x, panels.packed, panels.rows, screen, top_k, cap=cap)
+    return logits, left, panels.matmul(x)
+
+
+def _holds_the_top_k(logits: torch.Tensor, full: torch.Tensor, k: int) -> None:
+    """The oracle's top k (ties with the k-th kept) and every token within 2^-20 of the k-th are
+    present with the full logits' values, bitwise; every other token is -inf or its full logit."""
+    kth = full.topk(k).values[-1]
+    near = full >= kth - kth.abs() * 2.0**-20
+    kept = logits > float("-inf")
+    assert bool(kept[near].all())
+    assert torch.equal(logits[kept], full[kept])
+
+
+@needs_screen
+@pytest.mark.parametrize("v, k, m", [(1000, 64, 1), (4099, 33, 7), (20000, 128, 13), (3001, 96, 23)])
+def test_top_k_screen_keeps_each_rows_top_k_with_the_full_logits(v, k, m):
+    g = torch.Generator().manual_seed(v + k + m)
+    w = torch.randn(v, k, generator=g) * 0.05
+    x = torch.randn(m, k, generator=g) * 3
+    x[:, 0] *= 40  # an outlier channel, as final hidden states have
+    top_k = [[1, 40, kernels.SCREEN_MAX_TOP_K, 7, 50][i % 5] for i in range(m)]
+    logits, left, full = _screen_top_k(w, x, top_k)
+    assert left == []
+    for i in range(m):
+        _holds_the_top_k(logits[i], full[i], top_k[i])
+        assert (logits[i] > float("-inf")).sum() < v // 2  # the point: few exact logits
+    with pytest.raises(ValueError, match="top_k"):
+        _screen_top_k(w, x, [0] * m)
+    with pytest.raises(ValueError, match="top_k"):
+        _screen_top_k(w, x, [kernels.SCREEN_MAX_TOP_K + 1] * m)
+
+
+@needs_screen
+def test_top_k_screen_keeps_ties_and_near_ties_of_the_kth():
+    """Bitwise copies of the k-th token (top-k keeps every token tied with it) and a copy one ulp
+    below (a temperature's division may round the two to one quotient) are all kept."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(3000, 96, generator=g) * 0.05
+    x = torch.randn(2, 96, generator=g)
+    full = Panels.pack(w).matmul(x)
+    kth = int(full[0].topk(10).indices[-1])
+    w[2990:2993] = w[kth]
+    w[1200] = w[kth]
+    while Panels.pack(w[1200:1201]).matmul(x[:1])[0, 0] >= full[0, kth]:  # a few ulps lower
+        w[1200, 0] = torch.nextafter(w[1200, 0], -10 * x[0, 0].sign())
+    logits, left, full = _screen_top_k(w, x, [10, 10])
+    assert left == []
+    assert full[0, kth] - full[0, 1200] < full[0, kth].abs() * 2.0**-20
+    assert bool((logits[0, [kth, 2990, 2991, 2992, 1200]] > float("-inf")).all())
+    _holds_the_top_k(logits[0], full[0], 10)
+    _holds_the_top_k(logits[1], full[1], 10)
+
+
+@needs_screen
+def test_top_k_rows_the_screen_cannot_settle_are_left_to_the_caller():
+    w = torch.randn(500, 32) * 0.05
+    x = torch.stack([torch.randn(32), torch.zeros(32), torch.full((32,), float("nan")), torch.randn(32)])
+    logits, left, full = _screen_top_k(w, x, [5, 5, 5, 20], cap=8)
+    assert 1 in left and 2 in left and 3 in left  # a zero row, a NaN row, more than 8 candidates
+    logits, left, full = _screen_top_k(w, x, [5, 5, 5, 5])
+    assert left == [1, 2]
+    _holds_the_top_k(logits[0], full[0], 5)
+    _holds_the_top_k(logits[3], full[3], 5)
+
+
+@needs_screen
+def test_the_sampler_draws_the_same_token_from_the_screens_rows():
+    """What the screen's rows are for: under temperature, top-k, top-p and min-p the sampler (its C
+    kernel and its torch path) draws from a screened row the token it draws from the full row for
+    the same uniform number."""
+    from kvserve.sampling.sampler import filter_logits, sample_rows
+    from kvserve.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(20000, 128, generator=g) * 0.05
+    x = torch.randn(8, 128, generator=g) * 3
+    x[:, 0] *= 40
+    top_k = [1, 2, 5, 20, 40, 50, 100, 128]
+    logits, left, full = _screen_top_k(w, x, top_k)
+    assert left == []
+    for t, p, mp in [(1.0, 1.0, 0.0), (0.3, 1.0, 0.0), (0.8, 0.95, 0.05), (2.5, 0.5, 0.0), (1.0, 1.0, 0.3)]:
+        params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=mp) for k in top_k]
+        for seed in range(10):
+            draws = []
+            for rows in (logits, full):
+                gens = [torch.Generator().manual_seed(100 * seed + i) for i in range(8)]
+                draws.append(sample_rows(rows, list(range(8)), params, gens))
+            assert torch.equal(draws[0], draws[1])
+        assert torch.equal(filter_logits(logits, params).softmax(-1), filter_logits(full, params).softmax(-1))
+
+
+def test_which_rows_the_screen_serves():
+    """Plain greedy rows (k = 1) and top-k rows up to the screen's largest k, with one random row at
+    least; a row with penalties, a grammar or logprobs, or random without top-k, takes the full
+    logits for the whole step."""
+    from kvserve.sampling import Sampler
+    from kvserve.sampling.sampler import SamplingRequest
+    from kvserve.sampling_params import SamplingParams
+
+    def req(**kw):
+        return SamplingRequest(SamplingParams(**kw), [1, 2], [3])
+
+    greedy, topk = req(temperature=0), req(temperature=0.7, top_k=50)
+    assert Sampler.screened_top_k([greedy, topk, req(temperature=1, top_k=128, top_p=0.9)], 1000, 128) == [1, 50, 128]
+    assert Sampler.screened_top_k([greedy, greedy], 1000, 128) is None  # the greedy screen's
+    for other in (req(temperature=1), req(temperature=1, top_k=129), req(temperature=1, top_k=20, logprobs=2),
+                  req(temperature=1, top_k=20, repetition_penalty=1.1), req(temperature=1, top_k=20, min_tokens=5),
+                  req(temperature=1, top_k=20, logit_bias={5: 1.0}), req(temperature=0, presence_penalty=0.5)):
+        assert Sampler.screened_top_k([topk, other], 1000, 128) is None
+    assert Sampler.screened_top_k([topk], 50, 128) is None  # top-k of the whole vocabulary: no cut
+
+
+@needs_screen
+def test_gemma_top_k_sampling_through_the_screen_equals_the_full_logits(gemma_llm, monkeypatch):
+    """Seeded top-k requests (HF's default 50, llama.cpp's chain) beside greedy ones draw the same
+    tokens with the screen as with the full logits; a step with a row the screen cannot serve
+    (temperature alone, logprobs), or with more rows than it serves, computes every logit."""
+    from kvserve import SamplingParams
+    from kvserve.engine.model_runner import ModelRunner
+
+    calls = []
+    real = kernels.screen_top_k
+    monkeypatch.setattr(kernels, "screen_top_k", lambda *a, **k: calls.append(len(a[4])) or real(*a, **k))
+    prompts = ["The capital of France is", "def fibonacci(n):", "Robert Boulter is an English film and television",
+               "Once upon a time"]
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=0.7, top_k=50, max_tokens=16, seed=1, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, max_tokens=16, seed=2,
+                             ignore_eos=True),
+              SamplingParams(temperature=1.5, top_k=128, max_tokens=16, seed=3, ignore_eos=True, n=2)]
+    got = [[c.token_ids for c in o.outputs] for o in gemma_llm.generate(prompts, params)]
+    assert calls and max(calls) == 5  # n=2: two sequences from the second step on
+    monkeypatch.setattr(ModelRunner, "screen_top_k", property(lambda self: (0, 0)))
+    n = len(calls)
+    assert [[c.token_ids for c in o.outputs] for o in gemma_llm.generate(prompts, params)] == got
+    assert len(calls) == n
+    monkeypatch.undo()
+    monkeypatch.setattr(kernels, "screen_top_k", lambda *a, **k: calls.append(len(a[4])) or real(*a, **k))
+    n = len(calls)
+    gemma_llm.generate(prompts[:2], [SamplingParams(temperature=0.7, top_k=50, max_tokens=4, seed=1, ignore_eos=True),
+                                     SamplingParams(temperature=0.7, max_tokens=4, seed=1, ignore_eos=True)])
+    gemma_llm.generate(prompts[:1], SamplingParams(temperature=0.7, top_k=5, max_tokens=4, logprobs=2))
+    assert len(calls) == n
+    # More rows than the screen serves at once (its survivors' logits then cost more than the head).
+    rows = kernels.SCREEN_TOP_K_MAX_ROWS + 1
+    gemma_llm.generate([f"{p} {i}" for i in range(rows) for p in prompts[:1]],
+                       SamplingParams(temperature=0.7, top_k=5, max_tokens=3, seed=1, ignore_eos=True))
+    assert len(calls) == n

@@ -1,6 +1,6 @@
 """Greedy tokens from an fp32 LM head without computing every logit (kvserve/kernels/greedy_head.c).
 
-A greedy row needs only the argmax of its logits. An int8 copy of the head bounds every logit
+A greedy row needs only the argmax of its logits (a top-k row, only its k largest). An int8 copy of the head bounds every logit
 rigorously; the few tokens that can still be the maximum get their fp32 logit from the head's
 packed copy, computed as the panel kernel computes it, so the token is bitwise the one the full
 logits give. On Gemma 3 270M (262,144 x 640) the copy is 168 MB more memory and a step reads a
@@ -64,6 +64,15 @@ class GreedyHead:
         tokens = kernels.screen_argmax(hidden, self.panels.packed, self.panels.rows, self.screen, allowed)
         return tokens, (tokens < 0).nonzero().flatten().tolist()
 
+    def top_k_logits(self, hidden: torch.Tensor, top_k: list[int]) -> tuple[torch.Tensor, list[int]] | None:
+        """hidden [N, K], top_k [N] -> (logits [N, V]: each row's logits of its top-k tokens and
+        any near them, -inf elsewhere (`kernels.screen_top_k`); rows left for the caller to compute
+        in full), or None where the screen does not apply."""
+        if (hidden.dim() != 2 or hidden.dtype != torch.float32 or hidden.device.type != "cpu"
+                or hidden.shape[1] != self.weight.shape[1] or hidden.shape[0] == 0 or not self._current()):
+            return None
+        return kernels.screen_top_k(hidden, self.panels.packed, self.panels.rows, self.screen, top_k)
+
 
 # model -> its screen: kept beside the model (the model class knows nothing of fast paths);
 # engines sharing a model share its screen.
@@ -94,15 +103,22 @@ def drop_head_screen(model: nn.Module) -> None:
     _SCREENS.pop(model, None)
 
 
+def _usable_screen(model: nn.Module) -> GreedyHead | None:
+    """The model's screen where its logits are the packed head's products as they are (no
+    soft-capping) and the head is still the one it was built from."""
+    screen = _SCREENS.get(model)
+    if screen is None or model.config.final_logit_softcapping or screen.panels is not packed_head(model):
+        return None
+    return screen
+
+
 def greedy_tokens(model: nn.Module, hidden: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor | None:
     """hidden [N, hidden] -> [N] int64, each row's first index of the maximum of
     model.compute_logits(hidden) (bitwise the same logits), through the head's int8 screen; None
     where there is none (no packed fp32 head, logit soft-capping). allowed: [N, ceil(V / 32)]
     int32, the tokens each row may take (a grammar's mask): the maximum over those alone."""
-    screen = _SCREENS.get(model)
-    if screen is None or model.config.final_logit_softcapping or screen.panels is not packed_head(model):
-        return None
-    found = screen.tokens(hidden, allowed)
+    screen = _usable_screen(model)
+    found = None if screen is None else screen.tokens(hidden, allowed)
     if found is None:
         return None
     tokens, unsettled = found
@@ -114,3 +130,20 @@ def greedy_tokens(model: nn.Module, hidden: torch.Tensor, allowed: torch.Tensor 
         picked = kernels.argmax_rows(logits)
         tokens[idx] = logits.max(dim=-1).indices if picked is None else picked
     return tokens
+
+
+def top_k_logits(model: nn.Module, hidden: torch.Tensor, top_k: list[int]) -> torch.Tensor | None:
+    """hidden [N, hidden], top_k [N] (1 .. kernels.SCREEN_MAX_TOP_K) -> fp32 logits [N, V] that
+    equal model.compute_logits(hidden) (bitwise) at each row's top_k largest tokens and at any
+    token within 2^-20 of the k-th, -inf elsewhere: what a row sampled under top-k (then
+    temperature, top-p, min-p) draws from, through the head's int8 screen; None where there is
+    none (as `greedy_tokens`)."""
+    screen = _usable_screen(model)
+    found = None if screen is None else screen.top_k_logits(hidden, top_k)
+    if found is None:
+        return None
+    logits, unsettled = found
+    if unsettled:  # rare: a zero row, too many candidates; their full logits
+        idx = torch.tensor(unsettled)
+        logits[idx] = model.compute_logits(hidden.index_select(0, idx), upcast=False).float()
+    return logits

@@ -7,9 +7,10 @@ from typing import Sequence as Seq
 
 import torch
 
+from kvserve import kernels
 from kvserve.accel.compiled import compile_step, run_compiled
 from kvserve.accel.decode_plan import run_decode_plan
-from kvserve.accel.greedy_head import greedy_tokens, head_screen
+from kvserve.accel.greedy_head import greedy_tokens, head_screen, top_k_logits
 from kvserve.engine.cuda_graphs import DecodeGraphs
 from kvserve.model.attention import (
     AttentionMetadata,
@@ -204,6 +205,12 @@ class ModelRunner:
         masked or not, come without the full logits."""
         return head_screen(self.model) is not None
 
+    @property
+    def screen_top_k(self) -> tuple[int, int]:
+        """(the largest top-k, the most rows) of a step the head's screen serves (`execute_top_k`);
+        (0, 0): none."""
+        return (kernels.SCREEN_MAX_TOP_K, kernels.SCREEN_TOP_K_MAX_ROWS) if self.has_greedy_screen else (0, 0)
+
     @torch.inference_mode()
     def execute_greedy(self, inputs: Seq[StepInput], allowed: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -221,6 +228,19 @@ class ModelRunner:
         if hidden.shape[0] == 0:
             return None, hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
         return None, self.model.compute_logits(hidden, upcast=False)
+
+    @torch.inference_mode()
+    def execute_top_k(self, inputs: Seq[StepInput], top_k: list[int]) -> torch.Tensor:
+        """A forward pass whose logit row i is sampled from its top_k[i] largest logits alone:
+        through the model's screen, fp32 logits [rows, vocab] equal to `execute`'s at those
+        tokens (and any within 2^-20 of the k-th), -inf elsewhere; without one, `execute`'s."""
+        hidden = self._forward(inputs, None)
+        logits = top_k_logits(self.model, hidden, top_k) if hidden.shape[0] else None
+        if logits is not None:
+            return logits
+        if hidden.shape[0] == 0:
+            return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
+        return self.model.compute_logits(hidden, upcast=False)
 
     @torch.inference_mode()
     def execute_steps(self, inputs: Seq[StepInput], steps: Seq[int]) -> list[list[int]] | None:

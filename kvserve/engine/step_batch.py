@@ -126,6 +126,15 @@ def argmax_masks(b: StepBatch, sampler: Sampler, vocab_size: int) -> torch.Tenso
     return sampler.greedy_masks([sampling_request(s) for s in b.samplers], vocab_size)
 
 
+def top_k_rows(b: StepBatch, sampler: Sampler, vocab_size: int, max_k: int, max_rows: int) -> list[int] | None:
+    """A step of 1 .. max_rows logit rows, without drafts or hidden rows, whose rows all draw from
+    their few largest logits (`Sampler.screened_top_k`, k <= max_k): each row's k, in row order;
+    else None."""
+    if not 0 < b.num_rows <= max_rows or b.spec or b.hidden or b.rows != list(range(b.num_rows)):
+        return None
+    return sampler.screened_top_k([sampling_request(s) for s in b.samplers], vocab_size, max_k)
+
+
 def sampling_groups(rows: list[int], samplers: list[Sequence]) -> list[tuple[list[int], list[Sequence]]]:
     """(logits rows, sequences) to sample together: every sequence with a row of its own in
     one batch, then the samples forked from one parent a parent at a time, each from the

@@ -7,6 +7,8 @@
  * reaches the best lower bound (of 262,144: a median of 14, at most 320, over 236 WikiText rows)
  * get their fp32 logit, the same FMA chain over k = 0 .. K-1 as panel_gemm.c computes, so the token is
  * bitwise the one argmax over the full fp32 logits picks (first index among equal maxima).
+ * screen_top_k does the same for a row sampled under top-k, with T the k-th largest lower bound
+ * (below, "top-k rows").
  *
  * The bound, for row h and token v with w = w_v, a = max|w|, s = a / 127, q = round(w / s),
  * e = max|w - s q|, hq = round(h / sh) (sh = max|h| / QH), r = max|h - sh hq|, dot = q . hq (exact):
@@ -155,6 +157,22 @@ static float exact_logit(const float *h, const float *wp, int pw, int v, int K) 
     return acc;
 }
 
+/* exact_logit for w <= 4 (row, token) pairs at once: four independent chains, each the same
+ * arithmetic as exact_logit's, so that their strided loads overlap (1.2x at a few hundred). */
+static void exact_logits(const float *x, const float *wp, int pw, int K, const int32_t *rows, const cand *c, int w,
+                         float *f) {
+    const float *h[4], *col[4];
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int j = 0; j < 4; j++) {
+        const int src = j < w ? j : 0;
+        h[j] = x + (size_t)rows[src] * K;
+        col[j] = wp + (size_t)(c[src].v / pw) * K * pw + c[src].v % pw;
+    }
+    for (int k = 0; k < K; k++)
+        for (int j = 0; j < 4; j++) acc[j] = fmaf(h[j][k], col[j][(size_t)k * pw], acc[j]);
+    for (int j = 0; j < w; j++) f[j] = acc[j];
+}
+
 static inline void push(cand *mine, int *cnt, int cap, int v, double up) {
     if (*cnt < cap) mine[*cnt] = (cand){v, up};
     ++*cnt;
@@ -251,29 +269,11 @@ static inline void bounds(const int32_t *dots, const double *scale, const double
     }
 }
 
-/* x [M, K] fp32 rows, wp the fp32 head packed by panel_gemm.c's pack_panels (pw columns a panel),
- * q/scale/c1/c2 from screen_pack -> tokens [M]: each row's argmax; -1 for a row the screen did not
- * settle (more than cap candidates in one thread, a zero or non-finite row, no allowed token) and
- * the caller computes in full. Returns how many rows those are. allowed: NULL, or [M, W] int32
- * words of allowed tokens (a grammar's mask): each row's argmax over those tokens alone. */
-int screen_argmax(const float *x, const float *wp, int pw, const int8_t *q, const double *scale, const double *c1,
-                  const double *c2, const int32_t *allowed, int W, int64_t *tokens, int M, int V, int K, int cap,
-                  int threads) {
-    const int Kp = K + (K & 1), P = (V + PT - 1) / PT;
-    const int QH = (int)fmin(16383.0, floor(2147483647.0 / (127.0 * Kp)));
-    int16_t *hq = calloc((size_t)M * Kp, sizeof *hq);
-    double *sh = malloc(sizeof(double) * (size_t)M * 3), *hl1 = sh + M, *r = sh + 2 * M;
-    int *skip = calloc((size_t)M, sizeof *skip);
-    if (threads < 1) threads = 1;
-    cand *buf = malloc(sizeof(cand) * (size_t)threads * M * cap);
-    int *count = calloc((size_t)threads * M, sizeof *count);
-    double *best_lo = malloc(sizeof(double) * (size_t)threads * M);
-    if (!hq || !sh || !skip || !buf || !count || !best_lo) {
-        free(hq), free(sh), free(skip), free(buf), free(count), free(best_lo);
-        for (int i = 0; i < M; i++) tokens[i] = -1;
-        return M;
-    }
-    for (int i = 0; i < M; i++) { /* quantize each row to int16 */
+/* Each row of x [M, K] to int16 codes hq [M, Kp] with its scale sh, |h|_1 and largest rounding error
+ * r (both with the slack); skip: an all-zero or non-finite row, left to the full path. */
+static void quantize_rows(const float *x, int M, int K, int Kp, int QH, int16_t *hq, double *sh, double *hl1,
+                          double *r, int *skip) {
+    for (int i = 0; i < M; i++) {
         const float *h = x + (size_t)i * K;
         double a = 0.0, l1 = 0.0;
         int finite = 1;
@@ -295,48 +295,97 @@ int screen_argmax(const float *x, const float *wp, int pw, const int8_t *q, cons
         }
         sh[i] = s, hl1[i] = l1 * SLACK, r[i] = err * SLACK;
     }
+}
+
+/* tile() for a tile of mr <= MR rows, mr a compile-time constant in each branch. */
+static inline __attribute__((always_inline)) void tile_rows(const int16_t *hq, int Kp, const int8_t *panel,
+                                                           int32_t dots[MR][PT], int mr, int first) {
+    switch (mr) {
+    case 1: tile(hq, Kp, panel, dots, 1, first); break;
+    case 2: tile(hq, Kp, panel, dots, 2, first); break;
+    case 3: tile(hq, Kp, panel, dots, 3, first); break;
+    case 4: tile(hq, Kp, panel, dots, 4, first); break;
+    case 5: tile(hq, Kp, panel, dots, 5, first); break;
+#if MR > 6
+    case 6: tile(hq, Kp, panel, dots, 6, first); break;
+    case 7: tile(hq, Kp, panel, dots, 7, first); break;
+    case 8: tile(hq, Kp, panel, dots, 8, first); break;
+    case 9: tile(hq, Kp, panel, dots, 9, first); break;
+    case 10: tile(hq, Kp, panel, dots, 10, first); break;
+    case 11: tile(hq, Kp, panel, dots, 11, first); break;
+#endif
+    default: tile(hq, Kp, panel, dots, MR, first); break;
+    }
+}
+
+/* Thread t of nt's share of the head's panels against every row of hq: each panel's dots for
+ * each row not skipped go to each(ctx, t, row, dots, panel, ncols). Inlined with each, a static
+ * function, so the call is direct. */
+typedef void (*panel_fn)(void *ctx, int t, int row, const int32_t *dots, int p, int ncols);
+static inline __attribute__((always_inline)) void scan(const int16_t *hq, int Kp, const int *skip, int M,
+                                                      const int8_t *q, int V, int t, int nt, panel_fn each,
+                                                      void *ctx) {
+    const int P = (V + PT - 1) / PT;
+    const int p0 = (int)((long)P * t / nt), p1 = (int)((long)P * (t + 1) / nt);
+    int32_t dots[MR][PT];
+    for (int p = p0; p < p1; p++) {
+        const int8_t *panel = q + (size_t)p * Kp * PT;
+        const int ncols = V - p * PT < PT ? V - p * PT : PT;
+        for (int m = 0; m < M; m += MR) {
+            const int mr = M - m < MR ? M - m : MR;
+            tile_rows(hq + (size_t)m * Kp, Kp, panel, dots, mr, m == 0);
+            for (int i = 0; i < mr; i++)
+                if (!skip[m + i]) each(ctx, t, m + i, dots[i], p, ncols);
+        }
+    }
+}
+
+typedef struct {
+    const double *scale, *c1, *c2, *sh, *hl1, *r;
+    const int32_t *allowed;
+    int W, M, cap;
+    double *best_lo; /* [threads, M] */
+    int *count;      /* [threads, M] */
+    cand *buf;       /* [threads, M, cap] */
+} ArgmaxScan;
+
+static void argmax_panel(void *ctx, int t, int row, const int32_t *dots, int p, int ncols) {
+    const ArgmaxScan *a = ctx;
+    const size_t slot = (size_t)t * a->M + row;
+    bounds(dots, a->scale + p * PT, a->c1 + p * PT, a->c2 + p * PT, ncols, a->sh[row], a->hl1[row], a->r[row],
+           &a->best_lo[slot], p * PT, a->allowed ? a->allowed + (size_t)row * a->W : NULL, a->buf + slot * a->cap,
+           &a->count[slot], a->cap);
+}
+
+/* x [M, K] fp32 rows, wp the fp32 head packed by panel_gemm.c's pack_panels (pw columns a panel),
+ * q/scale/c1/c2 from screen_pack -> tokens [M]: each row's argmax; -1 for a row the screen did not
+ * settle (more than cap candidates in one thread, a zero or non-finite row, no allowed token) and
+ * the caller computes in full. Returns how many rows those are. allowed: NULL, or [M, W] int32
+ * words of allowed tokens (a grammar's mask): each row's argmax over those tokens alone. */
+int screen_argmax(const float *x, const float *wp, int pw, const int8_t *q, const double *scale, const double *c1,
+                  const double *c2, const int32_t *allowed, int W, int64_t *tokens, int M, int V, int K, int cap,
+                  int threads) {
+    const int Kp = K + (K & 1);
+    const int QH = (int)fmin(16383.0, floor(2147483647.0 / (127.0 * Kp)));
+    int16_t *hq = calloc((size_t)M * Kp, sizeof *hq);
+    double *sh = malloc(sizeof(double) * (size_t)M * 3), *hl1 = sh + M, *r = sh + 2 * M;
+    int *skip = calloc((size_t)M, sizeof *skip);
+    if (threads < 1) threads = 1;
+    cand *buf = malloc(sizeof(cand) * (size_t)threads * M * cap);
+    int *count = calloc((size_t)threads * M, sizeof *count);
+    double *best_lo = malloc(sizeof(double) * (size_t)threads * M);
+    if (!hq || !sh || !skip || !buf || !count || !best_lo) {
+        free(hq), free(sh), free(skip), free(buf), free(count), free(best_lo);
+        for (int i = 0; i < M; i++) tokens[i] = -1;
+        return M;
+    }
+    quantize_rows(x, M, K, Kp, QH, hq, sh, hl1, r, skip);
     /* Set here, not in the threads: the runtime may start fewer than asked, and the merge below
      * reads every slot. */
     for (size_t j = 0; j < (size_t)threads * M; j++) best_lo[j] = -INFINITY;
+    ArgmaxScan ctx = {scale, c1, c2, sh, hl1, r, allowed, W, M, cap, best_lo, count, buf};
 #pragma omp parallel num_threads(threads)
-    {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int p0 = (int)((long)P * t / nt), p1 = (int)((long)P * (t + 1) / nt);
-        double *T = best_lo + (size_t)t * M;
-        int *cnt = count + (size_t)t * M;
-        cand *mine = buf + (size_t)t * M * cap;
-        int32_t dots[MR][PT];
-        for (int p = p0; p < p1; p++) {
-            const int8_t *panel = q + (size_t)p * Kp * PT;
-            const int ncols = V - p * PT < PT ? V - p * PT : PT;
-            for (int m = 0; m < M; m += MR) {
-                const int mr = M - m < MR ? M - m : MR;
-                switch (mr) {
-                case 1: tile(hq + (size_t)m * Kp, Kp, panel, dots, 1, m == 0); break;
-                case 2: tile(hq + (size_t)m * Kp, Kp, panel, dots, 2, m == 0); break;
-                case 3: tile(hq + (size_t)m * Kp, Kp, panel, dots, 3, m == 0); break;
-                case 4: tile(hq + (size_t)m * Kp, Kp, panel, dots, 4, m == 0); break;
-                case 5: tile(hq + (size_t)m * Kp, Kp, panel, dots, 5, m == 0); break;
-#if MR > 6
-                case 6: tile(hq + (size_t)m * Kp, Kp, panel, dots, 6, m == 0); break;
-                case 7: tile(hq + (size_t)m * Kp, Kp, panel, dots, 7, m == 0); break;
-                case 8: tile(hq + (size_t)m * Kp, Kp, panel, dots, 8, m == 0); break;
-                case 9: tile(hq + (size_t)m * Kp, Kp, panel, dots, 9, m == 0); break;
-                case 10: tile(hq + (size_t)m * Kp, Kp, panel, dots, 10, m == 0); break;
-                case 11: tile(hq + (size_t)m * Kp, Kp, panel, dots, 11, m == 0); break;
-#endif
-                default: tile(hq + (size_t)m * Kp, Kp, panel, dots, MR, m == 0); break;
-                }
-                for (int i = 0; i < mr; i++) {
-                    const int row = m + i;
-                    if (!skip[row])
-                        bounds(dots[i], scale + p * PT, c1 + p * PT, c2 + p * PT, ncols, sh[row], hl1[row], r[row],
-                               &T[row], p * PT, allowed ? allowed + (size_t)row * W : NULL,
-                               mine + (size_t)row * cap, &cnt[row], cap);
-                }
-            }
-        }
-    }
+    scan(hq, Kp, skip, M, q, V, omp_get_thread_num(), omp_get_num_threads(), argmax_panel, &ctx);
     int unsettled = 0;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(+ : unsettled)
     for (int i = 0; i < M; i++) {
@@ -373,6 +422,204 @@ int screen_argmax(const float *x, const float *wp, int pw, const int8_t *q, cons
     free(hq), free(sh), free(skip), free(buf), free(count), free(best_lo);
     return unsettled;
 }
+/* ---------------------------------------------------------------- top-k rows
+ *
+ * A row sampled under top-k (k small) needs only the logits of its k largest tokens: every
+ * token below the k-th has probability 0. T = the k-th largest lower bound is at most the k-th
+ * largest fp32 logit l_k, so a token whose upper bound is below T is not among the top k. The
+ * sampler divides by the temperature before it cuts, and two logits a 2^-24 apart can round to
+ * one quotient, so the kept tokens are those whose upper bound reaches below(T) = T - |T| 2^-20
+ * (a token below that lies more than 2^-20 |l_k| under l_k: its quotient stays below l_k's).
+ * below() is increasing and each thread's own k-th lower bound is at most T, so a thread that
+ * drops what lies under below(its own) never drops a kept token. */
+
+static inline double below(double T) { return T - fabs(T) * 0x1p-20 - 1e-30; }
+
+typedef struct {
+    double *heap; /* the k largest lower bounds so far, a min-heap */
+    int n, k;
+    double T; /* heap[0] once full, -inf before */
+    cand *c;  /* candidates: upper bound >= below(T) when pushed */
+    int cnt, cap, over;
+} TopK;
+
+static void heap_offer(TopK *s, double v) {
+    if (s->n < s->k) { /* sift up */
+        int i = s->n++;
+        while (i > 0 && s->heap[(i - 1) / 2] > v) s->heap[i] = s->heap[(i - 1) / 2], i = (i - 1) / 2;
+        s->heap[i] = v;
+        if (s->n == s->k) s->T = s->heap[0];
+        return;
+    }
+    if (v <= s->heap[0]) return;
+    int i = 0; /* replace the minimum, sift down */
+    for (;;) {
+        int l = 2 * i + 1, m = i;
+        double mv = v;
+        if (l < s->n && s->heap[l] < mv) m = l, mv = s->heap[l];
+        if (l + 1 < s->n && s->heap[l + 1] < mv) m = l + 1;
+        if (m == i) break;
+        s->heap[i] = s->heap[m], i = m;
+    }
+    s->heap[i] = v;
+    s->T = s->heap[0];
+}
+
+static void push_top(TopK *s, int v, double up) {
+    if (s->cnt == s->cap) { /* drop what the threshold has passed since */
+        const double thr = below(s->T);
+        int j = 0;
+        for (int i = 0; i < s->cnt; i++)
+            if (s->c[i].up >= thr) s->c[j++] = s->c[i];
+        s->cnt = j;
+        if (j == s->cap) {
+            s->over = 1;
+            return;
+        }
+    }
+    s->c[s->cnt++] = (cand){v, up};
+}
+
+/* One row's 16 (or ncols) dots of a panel: raise the row's k largest lower bounds, keep the
+ * tokens whose upper bound reaches below(T). The same bound as bounds() above. */
+static inline void bounds_top(const int32_t *dots, const double *scale, const double *c1, const double *c2,
+                              int ncols, double sh, double hl1, double r, int v0, TopK *s) {
+    double lo[PT], up[PT];
+    double lmax = -INFINITY, umax = -INFINITY;
+#pragma omp simd reduction(max : lmax, umax)
+    for (int c = 0; c < PT; c++) {
+        const double est = scale[c < ncols ? c : 0] * sh * (double)dots[c];
+        const double width =
+            (hl1 * c1[c < ncols ? c : 0] + r * c2[c < ncols ? c : 0] + fabs(est) * 1e-12) * SLACK + ABS_SLACK;
+        lo[c] = c < ncols ? est - width : -INFINITY;
+        up[c] = c < ncols ? est + width : -INFINITY;
+        lmax = fmax(lmax, lo[c]);
+        umax = fmax(umax, up[c]);
+    }
+    if (lmax > s->T)
+        for (int c = 0; c < ncols; c++)
+            if (lo[c] > s->T) heap_offer(s, lo[c]);
+    const double thr = below(s->T);
+    if (umax >= thr && !s->over)
+        for (int c = 0; c < ncols; c++)
+            if (up[c] >= thr) push_top(s, v0 + c, up[c]);
+}
+
+typedef struct {
+    const double *scale, *c1, *c2, *sh, *hl1, *r;
+    int M;
+    TopK *st; /* [threads, M] */
+} TopKScan;
+
+static void top_k_panel(void *ctx, int t, int row, const int32_t *dots, int p, int ncols) {
+    const TopKScan *a = ctx;
+    bounds_top(dots, a->scale + p * PT, a->c1 + p * PT, a->c2 + p * PT, ncols, a->sh[row], a->hl1[row], a->r[row],
+               p * PT, &a->st[(size_t)t * a->M + row]);
+}
+
+static int desc_double(const void *a, const void *b) {
+    const double x = *(const double *)a, y = *(const double *)b;
+    return (x < y) - (x > y);
+}
+
+/* x [M, K] fp32 rows, the head and its screen as for screen_argmax, ks [M] each row's k (1 <= k
+ * <= V) -> out [M, V]: for each row settled, the fp32 logits (panel_gemm.c's, bitwise) of every
+ * token whose upper bound reaches below(T), -inf elsewhere: a superset of its top k that any
+ * temperature, top-k, top-p and min-p cut the way they cut the full logits. done[i] = 0 for a
+ * row left to the caller (more than cap candidates in a thread, a zero or non-finite row or
+ * logit), its out row untouched. Returns how many rows those are. */
+int screen_top_k(const float *x, const float *wp, int pw, const int8_t *q, const double *scale, const double *c1,
+                 const double *c2, const int32_t *ks, float *out, int32_t *done, int M, int V, int K, int cap,
+                 int threads) {
+    const int Kp = K + (K & 1);
+    const int QH = (int)fmin(16383.0, floor(2147483647.0 / (127.0 * Kp)));
+    if (threads < 1) threads = 1;
+    int kmax = 1;
+    for (int i = 0; i < M; i++) kmax = ks[i] > kmax ? ks[i] : kmax;
+    int16_t *hq = calloc((size_t)M * Kp, sizeof *hq);
+    double *sh = malloc(sizeof(double) * (size_t)M * 3), *hl1 = sh + M, *r = sh + 2 * M;
+    int *skip = calloc((size_t)M, sizeof *skip);
+    TopK *st = calloc((size_t)threads * M, sizeof *st);
+    double *heaps = malloc(sizeof(double) * (size_t)threads * M * kmax);
+    cand *buf = malloc(sizeof(cand) * (size_t)threads * M * cap);
+    if (!hq || !sh || !skip || !st || !heaps || !buf) {
+        free(hq), free(sh), free(skip), free(st), free(heaps), free(buf);
+        for (int i = 0; i < M; i++) done[i] = 0;
+        return M;
+    }
+    quantize_rows(x, M, K, Kp, QH, hq, sh, hl1, r, skip);
+    for (int t = 0; t < threads; t++) /* every slot set here: the runtime may start fewer threads */
+        for (int i = 0; i < M; i++)
+            st[(size_t)t * M + i] = (TopK){heaps + ((size_t)t * M + i) * kmax, 0, ks[i], -INFINITY,
+                                           buf + ((size_t)t * M + i) * cap, 0, cap, 0};
+    TopKScan ctx = {scale, c1, c2, sh, hl1, r, M, st};
+#pragma omp parallel num_threads(threads)
+    scan(hq, Kp, skip, M, q, V, omp_get_thread_num(), omp_get_num_threads(), top_k_panel, &ctx);
+    /* Each row's threshold from every thread's k largest lower bounds; a row to settle gets its
+     * -inf fill. */
+    double *thr = malloc(sizeof(double) * (size_t)M);
+    int32_t *bad = calloc((size_t)M, sizeof *bad);
+    int unsettled = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        double *all = malloc(sizeof(double) * (size_t)threads * kmax);
+#pragma omp for schedule(dynamic, 1)
+        for (int i = 0; i < M; i++) {
+            int over = skip[i] || !all || !thr || !bad, n = 0;
+            for (int t = 0; t < threads && !over; t++) {
+                const TopK *s = &st[(size_t)t * M + i];
+                over |= s->over;
+                memcpy(all + n, s->heap, sizeof(double) * s->n);
+                n += s->n;
+            }
+            done[i] = !over;
+            if (over) continue;
+            qsort(all, n, sizeof *all, desc_double);
+            thr[i] = below(n >= ks[i] ? all[ks[i] - 1] : -INFINITY);
+            float *row = out + (size_t)i * V;
+            for (int v = 0; v < V; v++) row[v] = -INFINITY;
+        }
+        free(all);
+    }
+    /* The candidates of every row settled, as one list the threads share (a batch-1 row's few
+     * hundred would otherwise fall to one thread). */
+    size_t total = 0;
+    for (int i = 0; i < M; i++)
+        if (done[i])
+            for (int t = 0; t < threads; t++) total += st[(size_t)t * M + i].cnt;
+    cand *todo = thr && bad ? malloc(sizeof(cand) * (total ? total : 1)) : NULL;
+    int32_t *todo_row = todo ? malloc(sizeof(int32_t) * (total ? total : 1)) : NULL;
+    size_t nt = 0;
+    for (int i = 0; i < M && todo_row; i++)
+        if (done[i])
+            for (int t = 0; t < threads; t++) {
+                const TopK *s = &st[(size_t)t * M + i];
+                for (int j = 0; j < s->cnt; j++)
+                    if (s->c[j].up >= thr[i]) todo[nt] = s->c[j], todo_row[nt++] = i;
+            }
+    if (!todo_row)
+        for (int i = 0; i < M; i++) done[i] = 0;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (size_t j = 0; j < nt; j += 4) {
+        const int w = nt - j < 4 ? (int)(nt - j) : 4;
+        float f[4];
+        exact_logits(x, wp, pw, K, todo_row + j, todo + j, w, f);
+        for (int c = 0; c < w; c++) {
+            out[(size_t)todo_row[j + c] * V + todo[j + c].v] = f[c];
+            if (!isfinite(f[c])) {
+#pragma omp atomic write
+                bad[todo_row[j + c]] = 1;
+            }
+        }
+    }
+    for (int i = 0; i < M; i++) {
+        if (done[i] && bad && bad[i]) done[i] = 0;
+        unsettled += !done[i];
+    }
+    free(thr), free(bad), free(todo), free(todo_row);
+    free(hq), free(sh), free(skip), free(st), free(heaps), free(buf);
+    return unsettled;
+}
 #else
 int screen_available(void) { return 0; }
 int screen_pack(const float *wp, int pw, int8_t *q, double *scale, double *c1, double *c2, int V, int K,
@@ -386,6 +633,14 @@ int screen_argmax(const float *x, const float *wp, int pw, const int8_t *q, cons
     (void)x, (void)wp, (void)pw, (void)q, (void)scale, (void)c1, (void)c2, (void)allowed, (void)W, (void)V, (void)K,
         (void)cap, (void)threads;
     for (int i = 0; i < M; i++) tokens[i] = -1;
+    return M;
+}
+int screen_top_k(const float *x, const float *wp, int pw, const int8_t *q, const double *scale, const double *c1,
+                 const double *c2, const int32_t *ks, float *out, int32_t *done, int M, int V, int K, int cap,
+                 int threads) {
+    (void)x, (void)wp, (void)pw, (void)q, (void)scale, (void)c1, (void)c2, (void)ks, (void)out, (void)V, (void)K,
+        (void)cap, (void)threads;
+    for (int i = 0; i < M; i++) done[i] = 0;
     return M;
 }
 #endif

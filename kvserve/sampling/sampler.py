@@ -316,6 +316,22 @@ class Sampler:
             return None
         return token_bitmask([r.grammar for r in requests], vocab_size)
 
+    @staticmethod
+    def screened_top_k(requests: list[SamplingRequest], vocab_size: int, max_k: int) -> list[int] | None:
+        """Where every row draws from its few largest logits alone: plain greedy rows (1) and
+        random rows under top-k <= max_k, none with penalties, a grammar or logprobs (which read
+        other logits), at least one of them random: each row's k, so that the engine may compute
+        only those logits (kvserve/accel/greedy_head.py); else None."""
+        ks = []
+        for r in requests:
+            if r.grammar is not None or r.params.logprobs is not None or _needs_penalties(r):
+                return None
+            k = 1 if r.params.greedy else r.params.top_k
+            if not 0 < k <= min(max_k, vocab_size - 1):
+                return None
+            ks.append(k)
+        return ks if any(not r.params.greedy for r in requests) else None
+
     def __call__(self, logits: torch.Tensor, requests: list[SamplingRequest]) -> SamplerOutput:
         """logits: [N, V] float (one row per request) -> one token per row."""
         if logits.dim() != 2 or logits.shape[0] != len(requests):
