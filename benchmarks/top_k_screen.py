@@ -3,7 +3,7 @@
 A row sampled under top-k draws from its k largest logits alone, so the fp32 head's screen
 (kvserve/kernels/greedy_head.c, `screen_top_k`) bounds every logit and computes exactly only the
 tokens that can be among the k. The bundled Gemma 3 270M in fp32 (its head is 671 MB of a batch-1
-step's ~1 GB), each setting with the screen and without it (the full head, as before), in turns:
+step's ~1 GB), each setting with the screen and without it (the full head), in turns:
 
 1. decode at batch 1 and 8: 128 new tokens per request after a 33-token prompt, seeded, output
    tok/s (median), and whether both paths drew the same tokens;
@@ -30,7 +30,7 @@ PROMPT = [2] + list(range(1000, 1032))
 
 @contextmanager
 def full_head():
-    """Top-k rows computing every logit (no screen for them), as before the screen served them."""
+    """Top-k rows computing every logit: the screen turned off for them."""
     saved = ModelRunner.screen_top_k
     ModelRunner.screen_top_k = property(lambda self: (0, 0))
     try:

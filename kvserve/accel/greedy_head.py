@@ -53,13 +53,17 @@ class GreedyHead:
             self.screen, self._source = screen, self.panels.packed
         return True
 
+    def _takes(self, hidden: torch.Tensor) -> bool:
+        """hidden is rows the screen computes (fp32 CPU [N > 0, K]) and the screen is current."""
+        return (hidden.dim() == 2 and hidden.dtype == torch.float32 and hidden.device.type == "cpu"
+                and hidden.shape[1] == self.weight.shape[1] and hidden.shape[0] > 0 and self._current())
+
     def tokens(self, hidden: torch.Tensor, allowed: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, list[int]] | None:
         """hidden [N, K] -> (tokens [N] int64, rows the screen left at -1 for the caller to compute
         in full), or None where the screen does not apply (another dtype or device). allowed: each
         row's allowed tokens (`kernels.screen_argmax`)."""
-        if (hidden.dim() != 2 or hidden.dtype != torch.float32 or hidden.device.type != "cpu"
-                or hidden.shape[1] != self.weight.shape[1] or hidden.shape[0] == 0 or not self._current()):
+        if not self._takes(hidden):
             return None
         tokens = kernels.screen_argmax(hidden, self.panels.packed, self.panels.rows, self.screen, allowed)
         return tokens, (tokens < 0).nonzero().flatten().tolist()
@@ -68,8 +72,7 @@ class GreedyHead:
         """hidden [N, K], top_k [N] -> (logits [N, V]: each row's logits of its top-k tokens and
         any near them, -inf elsewhere (`kernels.screen_top_k`); rows left for the caller to compute
         in full), or None where the screen does not apply."""
-        if (hidden.dim() != 2 or hidden.dtype != torch.float32 or hidden.device.type != "cpu"
-                or hidden.shape[1] != self.weight.shape[1] or hidden.shape[0] == 0 or not self._current()):
+        if not self._takes(hidden):
             return None
         return kernels.screen_top_k(hidden, self.panels.packed, self.panels.rows, self.screen, top_k)
 

@@ -185,6 +185,13 @@ static inline unsigned allowed_bits(const int32_t *allowed, int v0) {
     return allowed ? ((uint32_t)allowed[v0 >> 5] >> (v0 & 31)) & 0xFFFFu : 0xFFFFu;
 }
 
+/* The half-width of token v's interval around est = s_v sh dot (c1, c2: its terms from
+ * screen_pack; hl1, r: the row's): the bound above, with the slacks. The vector branches of
+ * bounds() compute the same expression lane by lane. */
+static inline double bound_width(double est, double c1, double c2, double hl1, double r) {
+    return (hl1 * c1 + r * c2 + fabs(est) * 1e-12) * SLACK + ABS_SLACK;
+}
+
 /* One row's 16 dots of a panel -> bounds: raise the row's best lower bound T, keep the tokens whose
  * upper bound reaches it (tokens v0 .. v0 + ncols - 1; stats of those tokens). Tokens the row's
  * mask forbids neither raise T nor are kept: the argmax is then that of the masked logits. */
@@ -263,7 +270,7 @@ static inline void bounds(const int32_t *dots, const double *scale, const double
     for (int c = 0; c < ncols; c++) { /* the last, partial panel */
         if (!((bits >> c) & 1)) continue;
         const double est = scale[c] * sh * (double)dots[c];
-        const double width = (hl1 * c1[c] + r * c2[c] + fabs(est) * 1e-12) * SLACK + ABS_SLACK;
+        const double width = bound_width(est, c1[c], c2[c], hl1, r);
         if (est - width > *T) *T = est - width;
         if (est + width >= *T) push(mine, cnt, cap, v0 + c, est + width);
     }
@@ -488,9 +495,9 @@ static inline void bounds_top(const int32_t *dots, const double *scale, const do
     double lmax = -INFINITY, umax = -INFINITY;
 #pragma omp simd reduction(max : lmax, umax)
     for (int c = 0; c < PT; c++) {
-        const double est = scale[c < ncols ? c : 0] * sh * (double)dots[c];
-        const double width =
-            (hl1 * c1[c < ncols ? c : 0] + r * c2[c < ncols ? c : 0] + fabs(est) * 1e-12) * SLACK + ABS_SLACK;
+        const int j = c < ncols ? c : 0; /* (a partial panel's missing tokens: any valid term, -inf below) */
+        const double est = scale[j] * sh * (double)dots[c];
+        const double width = bound_width(est, c1[j], c2[j], hl1, r);
         lo[c] = c < ncols ? est - width : -INFINITY;
         up[c] = c < ncols ? est + width : -INFINITY;
         lmax = fmax(lmax, lo[c]);
