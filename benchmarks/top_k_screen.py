@@ -1,14 +1,16 @@
-"""Top-k sampling through the head's int8 screen: what it saves, batch-1 and offline.
+"""Top-k and penalized sampling through the head's int8 screen: what it saves, batch-1 and offline.
 
-A row sampled under top-k draws from its k largest logits alone, so the fp32 head's screen
-(kvserve/kernels/greedy_head.c, `screen_top_k`) bounds every logit and computes exactly only the
-tokens that can be among the k. The bundled Gemma 3 270M in fp32 (its head is 671 MB of a batch-1
+A row sampled under top-k draws from its k largest logits alone (a greedy row from its largest),
+so the fp32 head's screen (kvserve/kernels/greedy_head.c, `screen_top_k`) bounds every logit and
+computes exactly only the tokens that can be among the k, and those a repetition penalty (or any
+other penalty or bias) changes. The bundled Gemma 3 270M in fp32 (its head is 671 MB of a batch-1
 step's ~1 GB), each setting with the screen and without it (the full head), in turns:
 
 1. decode at batch 1 and 8: 128 new tokens per request after a 33-token prompt, seeded, output
-   tok/s (median), and whether both paths drew the same tokens;
+   tok/s (median), and whether both paths drew the same tokens; top-k settings, and greedy and
+   Ollama's defaults with a repetition penalty;
 2. `kvserve bench throughput`'s offline workload (64 requests, inputs 32-512, outputs 32-256,
-   random ids): output tok/s (median).
+   random ids) for the top-k settings: output tok/s (median).
 
     cd benchmarks && ../.venv/bin/python top_k_screen.py --json-dir results
 """
@@ -25,6 +27,7 @@ from kvserve.loading import load_model
 from kvserve.tools.bench.throughput import INPUT_RANGE, OUTPUT_RANGE, Sampling, make_workload, run_kvserve
 
 SETTINGS = [Sampling(0.7, top_k=50), Sampling(0.8, top_p=0.95, top_k=40, min_p=0.05)]  # HF's top-k; llama.cpp's chain
+PENALIZED = [Sampling(repetition_penalty=1.1), Sampling(0.8, top_p=0.9, top_k=40, repetition_penalty=1.1)]  # greedy; Ollama's
 PROMPT = [2] + list(range(1000, 1032))
 
 
@@ -32,7 +35,7 @@ PROMPT = [2] + list(range(1000, 1032))
 def full_head():
     """Top-k rows computing every logit: the screen turned off for them."""
     saved = ModelRunner.screen_top_k
-    ModelRunner.screen_top_k = property(lambda self: (0, 0))
+    ModelRunner.screen_top_k = property(lambda self: (0, 0, 0))
     try:
         yield
     finally:
@@ -62,7 +65,7 @@ def main() -> None:
     decode(llm, Sampling(), 1)  # warm-up
     rows = []
     for batch in (1, 8):
-        for s in SETTINGS:
+        for s in SETTINGS + PENALIZED:
             runs: dict[str, list[float]] = {"screen": [], "full head": []}
             tokens: dict[str, list[list[int]]] = {}
             for _ in range(args.repeats):

@@ -298,6 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--top-p", type=float, default=1.0)
     tp.add_argument("--top-k", type=int, default=0, help="0 = off")
     tp.add_argument("--min-p", type=float, default=0.0)
+    tp.add_argument("--repetition-penalty", type=float, default=1.0)
     tp.add_argument("--hf-batch-sizes", type=_int_list, default=[], help="comma list; empty = skip HF")
     tp.add_argument("--plot", default=None, help="PNG of throughput vs --max-num-seqs")
     tp.add_argument("--json", default=None)

@@ -18,6 +18,10 @@ def test_flags_parse_into_one_setting() -> None:
     assert str(Sampling(greedy.temperature, greedy.top_p, greedy.top_k, greedy.min_p)) == "greedy"
     assert Sampling().hf_generate_kwargs() == {"do_sample": False}
     assert Sampling(1.0).hf_generate_kwargs()["top_k"] == 0  # HF's default top-k of 50 turned off
+    rep = cli.build_parser().parse_args(["bench", "throughput", "--repetition-penalty", "1.1"])
+    s = Sampling(rep.temperature, rep.top_p, rep.top_k, rep.min_p, rep.repetition_penalty)
+    assert str(s) == "greedy, repetition_penalty=1.1" and s.params(3).repetition_penalty == 1.1
+    assert s.hf_generate_kwargs() == {"do_sample": False, "repetition_penalty": 1.1}
 
 
 def test_a_bad_setting_names_its_field() -> None:

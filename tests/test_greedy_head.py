@@ -284,10 +284,11 @@ def test_greedy_under_grammars_through_the_masked_screen(gemma_llm, monkeypatch)
     assert sum(masked[n:]) <= len(mixed[0]) - len(mixed[1])  # only the steps after the sampled row ended
 
 
-def _screen_top_k(w: torch.Tensor, x: torch.Tensor, top_k: list[int], cap: int = kernels.SCREEN_CAP):
+def _screen_top_k(w: torch.Tensor, x: torch.Tensor, top_k: list[int], cap: int = kernels.SCREEN_CAP,
+                  touched: list[list[int]] | None = None):
     panels = Panels.pack(w)
     screen = kernels.pack_head_screen(panels.packed, panels.rows)
-    logits, left = kernels.screen_top_k(x, panels.packed, panels.rows, screen, top_k, cap=cap)
+    logits, left = kernels.screen_top_k(x, panels.packed, panels.rows, screen, top_k, touched, cap=cap)
     return logits, left, panels.matmul(x)
 
 
@@ -318,6 +319,88 @@ def test_top_k_screen_keeps_each_rows_top_k_with_the_full_logits(v, k, m):
         _screen_top_k(w, x, [0] * m)
     with pytest.raises(ValueError, match="top_k"):
         _screen_top_k(w, x, [kernels.SCREEN_MAX_TOP_K + 1] * m)
+
+
+@needs_screen
+@pytest.mark.parametrize("v, k, m", [(4099, 33, 3), (20000, 128, 8)])
+def test_top_k_screen_computes_touched_tokens_and_covers_the_top_k_after_their_change(v, k, m):
+    """A row's touched tokens (those its penalties or biases change) get their logits bitwise, and
+    whatever the change to them (all pushed far down, as a repetition penalty does to the row's
+    best tokens; some raised from the bottom, as a logit bias can), the row still holds the top k
+    of the changed full row and every token near its k-th."""
+    g = torch.Generator().manual_seed(v + m)
+    w = torch.randn(v, k, generator=g) * 0.05
+    x = torch.randn(m, k, generator=g) * 3
+    x[:, 0] *= 40
+    full = Panels.pack(w).matmul(x)
+    top_k = [[1, 5, 40, kernels.SCREEN_MAX_TOP_K][i % 4] for i in range(m)]
+    touched = []
+    for i in range(m):  # the row's 30 best, its 10 worst and 40 at random
+        order = full[i].argsort(descending=True)
+        picked = torch.cat([order[:30], order[-10:], torch.randperm(v, generator=g)[:40]]).unique()
+        touched.append(picked.tolist() if i != 1 else [])
+    logits, left, _ = _screen_top_k(w, x, top_k, touched=touched)
+    assert left == []
+    changes = [lambda t: t - 1000.0, lambda t: t + 1000.0, lambda t: t * torch.linspace(-2, 2, t.numel())]
+    for i in range(m):
+        t = torch.tensor(touched[i], dtype=torch.long)
+        assert torch.equal(logits[i, t], full[i, t])
+        for change in changes:
+            want, got = full[i].clone(), logits[i].clone()
+            want[t], got[t] = change(want[t]), change(got[t])
+            _holds_the_top_k(got, want, top_k[i])
+    w_bad = [[0, 0]] + [[]] * (m - 1)
+    with pytest.raises(ValueError, match="distinct"):
+        _screen_top_k(w, x, top_k, touched=w_bad)
+    with pytest.raises(ValueError, match="touched"):
+        _screen_top_k(w, x, top_k, touched=[[v]] + [[]] * (m - 1))
+    with pytest.raises(ValueError, match="touched"):
+        _screen_top_k(w, x, top_k, touched=[[]])
+
+
+@needs_screen
+def test_the_sampler_draws_the_same_token_from_penalized_screened_rows():
+    """Rows with repetition, presence and frequency penalties, logit biases and min_tokens, greedy
+    or sampled under top-k: the sampler gives the same tokens from the screen's rows (with the
+    tokens `Sampler.screened_top_k` lists) as from the full rows, the penalties applied to both."""
+    from kvserve.sampling import Sampler
+    from kvserve.sampling.sampler import SamplingRequest
+    from kvserve.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(11)
+    v = 20000
+    w = torch.randn(v, 128, generator=g) * 0.05
+    x = torch.randn(8, 128, generator=g) * 3
+    x[:, 0] *= 40
+    full = Panels.pack(w).matmul(x)
+    best = full.argsort(dim=1, descending=True)
+    eos = int(best[5, 0])  # row 5's best token is an end, banned under min_tokens
+    settings = [dict(temperature=0, repetition_penalty=1.3), dict(temperature=0, repetition_penalty=0.7),
+                dict(temperature=0.8, top_k=40, top_p=0.9, repetition_penalty=1.1),
+                dict(temperature=0, presence_penalty=1.0, frequency_penalty=0.5),
+                dict(temperature=1.2, top_k=5, frequency_penalty=2.0),
+                dict(temperature=0, min_tokens=10), dict(temperature=0.7, top_k=50),
+                dict(temperature=1.0, top_k=128, min_p=0.05, presence_penalty=2.0)]
+    sampler = Sampler(eos_token_ids=[eos])
+    for seed in range(6):
+        rows = []
+        for i, kw in enumerate(settings):
+            seen = best[i, :20][torch.randperm(20, generator=g)[:8]].tolist()  # some of its best tokens
+            rows.append(dict(prompt=seen[:4] + [3, 4], output=seen[4:] + seen[4:6],
+                             params=SamplingParams(**kw, logit_bias={int(best[i, -1]): 80.0} if i == 3 else None)))
+        screened = sampler.screened_top_k([SamplingRequest(r["params"], r["prompt"], r["output"]) for r in rows], v,
+                                          kernels.SCREEN_MAX_TOP_K, 4096)
+        assert screened is not None and any(screened.touched)
+        logits, left, _ = _screen_top_k(w, x, screened.top_k, touched=screened.touched)
+        assert left == []
+        tokens = []
+        for source in (logits, full):
+            reqs = [SamplingRequest(r["params"], r["prompt"], r["output"], torch.Generator().manual_seed(seed * 10 + i))
+                    for i, r in enumerate(rows)]
+            tokens.append(sampler(source, reqs).token_ids)
+        assert tokens[0] == tokens[1]
+        assert tokens[0][3] == int(best[3, -1])  # the biased token won
+        assert tokens[0][5] != eos
 
 
 @needs_screen
@@ -380,24 +463,40 @@ def test_the_sampler_draws_the_same_token_from_the_screens_rows():
 
 
 def test_which_rows_the_screen_serves():
-    """Plain greedy rows (k = 1) and top-k rows up to the screen's largest k, with one random row at
-    least; a row with penalties, a grammar or logprobs, or random without top-k, takes the full
-    logits for the whole step."""
+    """Greedy rows (k = 1) and top-k rows up to the screen's largest k, penalties and logit biases
+    included (their touched tokens listed, within the step's budget), with one random or penalized
+    row at least; a row with a grammar or logprobs, or random without top-k, takes the full logits
+    for the whole step."""
     from kvserve.sampling import Sampler
     from kvserve.sampling.sampler import SamplingRequest
     from kvserve.sampling_params import SamplingParams
 
-    def req(**kw):
-        return SamplingRequest(SamplingParams(**kw), [1, 2], [3])
+    def req(prompt=(1, 2, 900), out=(3, 3), **kw):
+        return SamplingRequest(SamplingParams(**kw), list(prompt), list(out))
 
+    sampler = Sampler(eos_token_ids=[1])
     greedy, topk = req(temperature=0), req(temperature=0.7, top_k=50)
-    assert Sampler.screened_top_k([greedy, topk, req(temperature=1, top_k=128, top_p=0.9)], 1000, 128) == [1, 50, 128]
-    assert Sampler.screened_top_k([greedy, greedy], 1000, 128) is None  # the greedy screen's
-    for other in (req(temperature=1), req(temperature=1, top_k=129), req(temperature=1, top_k=20, logprobs=2),
-                  req(temperature=1, top_k=20, repetition_penalty=1.1), req(temperature=1, top_k=20, min_tokens=5),
-                  req(temperature=1, top_k=20, logit_bias={5: 1.0}), req(temperature=0, presence_penalty=0.5)):
-        assert Sampler.screened_top_k([topk, other], 1000, 128) is None
-    assert Sampler.screened_top_k([topk], 50, 128) is None  # top-k of the whole vocabulary: no cut
+    got = sampler.screened_top_k([greedy, topk, req(temperature=1, top_k=128, top_p=0.9)], 1000, 128, 2048)
+    assert got.top_k == [1, 50, 128] and got.touched == [[], [], []]
+    assert sampler.screened_top_k([greedy, greedy], 1000, 128, 2048) is None  # the greedy screen's
+    for other in (req(temperature=1), req(temperature=1, top_k=129), req(temperature=1, top_k=20, logprobs=2)):
+        assert sampler.screened_top_k([topk, other], 1000, 128, 2048) is None
+    assert sampler.screened_top_k([topk], 50, 128, 2048) is None  # top-k of the whole vocabulary: no cut
+    # Penalized rows list the tokens their penalties change (in the vocabulary): the seen tokens for a
+    # repetition penalty, the generated ones for presence / frequency, the banned ends under
+    # min_tokens, the biased ones.
+    rows = [req(temperature=1, top_k=20, repetition_penalty=1.1), req(temperature=0, presence_penalty=0.5),
+            req(temperature=1, top_k=20, min_tokens=5, stop_token_ids=[7, 5000]),
+            req(temperature=0, logit_bias={5: 1.0, 999: -2.0}), req(temperature=0, frequency_penalty=-0.5, out=())]
+    got = sampler.screened_top_k(rows, 1000, 128, 2048)
+    assert got.top_k == [20, 1, 20, 1, 1]
+    assert got.touched == [[1, 2, 3, 900], [3], [1, 7], [5, 999], []]
+    assert sampler.screened_top_k([greedy, req(temperature=0, repetition_penalty=1.2)], 1000, 128, 2048) is not None
+    # A step's budget of touched tokens, and a prompt too long to count.
+    assert sampler.screened_top_k(rows, 1000, 128, 8) is None  # 4 + 1 + 2 + 2 tokens
+    assert sampler.screened_top_k(rows, 1000, 128, 9) is not None
+    long = req(prompt=range(10, 10 + 4 * 8 + 64), temperature=0, repetition_penalty=1.1)
+    assert sampler.screened_top_k([long], 1000, 128, 8) is None
 
 
 @needs_screen
@@ -420,7 +519,7 @@ def test_gemma_top_k_sampling_through_the_screen_equals_the_full_logits(gemma_ll
               SamplingParams(temperature=1.5, top_k=128, max_tokens=16, seed=3, ignore_eos=True, n=2)]
     got = [[c.token_ids for c in o.outputs] for o in gemma_llm.generate(prompts, params)]
     assert calls and max(calls) == 5  # n=2: two sequences from the second step on
-    monkeypatch.setattr(ModelRunner, "screen_top_k", property(lambda self: (0, 0)))
+    monkeypatch.setattr(ModelRunner, "screen_top_k", property(lambda self: (0, 0, 0)))
     n = len(calls)
     assert [[c.token_ids for c in o.outputs] for o in gemma_llm.generate(prompts, params)] == got
     assert len(calls) == n
@@ -436,3 +535,34 @@ def test_gemma_top_k_sampling_through_the_screen_equals_the_full_logits(gemma_ll
     gemma_llm.generate([f"{p} {i}" for i in range(rows) for p in prompts[:1]],
                        SamplingParams(temperature=0.7, top_k=5, max_tokens=3, seed=1, ignore_eos=True))
     assert len(calls) == n
+
+
+@needs_screen
+def test_gemma_penalized_requests_through_the_screen_equal_the_full_logits(gemma_llm, monkeypatch):
+    """Greedy and top-k requests with a repetition penalty (Ollama's defaults among them), presence
+    and frequency penalties, a logit bias and min_tokens give the same tokens through the screen,
+    their touched tokens computed beside the top-k, as with the full logits."""
+    from kvserve import SamplingParams
+    from kvserve.engine.model_runner import ModelRunner
+
+    touched = []
+    real = kernels.screen_top_k
+    monkeypatch.setattr(kernels, "screen_top_k", lambda *a, **k: touched.append(sum(map(len, a[5]))) or real(*a, **k))
+    prompts = ["The capital of France is", "def fibonacci(n):", "Robert Boulter is an English film and television",
+               "Once upon a time"]
+    eos = gemma_llm.engine.sampler.eos_token_ids[0]
+    params = [SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_k=40, top_p=0.9, repetition_penalty=1.1, max_tokens=24, seed=4,
+                             ignore_eos=True),
+              SamplingParams(temperature=0, presence_penalty=1.5, frequency_penalty=0.5, logit_bias={eos: 30.0},
+                             min_tokens=20, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.7, top_k=50, frequency_penalty=1.0, max_tokens=24, seed=5, ignore_eos=True)]
+    got = [o.outputs[0].token_ids for o in gemma_llm.generate(prompts, params)]
+    assert touched and max(touched) > 0
+    assert got[2][:20].count(eos) == 0 and got[2][20:] == [eos] * 4  # min_tokens, then the bias
+    plain = gemma_llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert plain[0].outputs[0].token_ids != got[0]  # the penalty changed the text
+    n = len(touched)
+    monkeypatch.setattr(ModelRunner, "screen_top_k", property(lambda self: (0, 0, 0)))
+    assert [o.outputs[0].token_ids for o in gemma_llm.generate(prompts, params)] == got
+    assert len(touched) == n

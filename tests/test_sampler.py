@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvserve import kernels
 from kvserve.sampling import Sampler, SamplingRequest, apply_penalties, filter_logits
@@ -395,6 +397,27 @@ def test_min_tokens_masks_eos_and_stop_ids() -> None:
     # logprob is still taken from the raw logits.
     out = sampler(logits, [req(params, output=[0])])
     assert out.logprobs[0] == pytest.approx(torch.log_softmax(logits, -1)[0, 1].item(), abs=1e-6)
+
+
+@settings(max_examples=200, deadline=None)
+@given(rep=st.sampled_from([1.0, 0.5, 1.3]), presence=st.sampled_from([0.0, 0.7, -0.4]),
+       frequency=st.sampled_from([0.0, 0.3, -1.0]), min_tokens=st.integers(0, 3),
+       bias=st.dictionaries(st.integers(0, 39), st.floats(-5, 5, allow_nan=False), max_size=3),
+       stops=st.lists(st.integers(0, 60), max_size=3), prompt=st.lists(st.integers(0, 39), max_size=12),
+       output=st.lists(st.integers(0, 39), max_size=6), seed=st.integers(0, 2**16))
+def test_penalties_change_only_the_touched_tokens(rep, presence, frequency, min_tokens, bias, stops, prompt, output,
+                                                  seed) -> None:
+    """What the head's screen relies on (sampler.touched_tokens): a row's logit_bias, min_tokens and
+    penalties change no logit outside the tokens it lists."""
+    params = SamplingParams(temperature=0.0, repetition_penalty=rep, presence_penalty=presence,
+                            frequency_penalty=frequency, min_tokens=min_tokens, logit_bias=bias or None,
+                            stop_token_ids=stops)
+    r = req(params, prompt=prompt, output=output)
+    logits = torch.randn(1, 40, generator=torch.Generator().manual_seed(seed))
+    changed = (apply_penalties(logits, [r], [EOS]) != logits)[0].nonzero().flatten().tolist()
+    touched = sampler_module.touched_tokens(r, [EOS], 40)
+    assert set(changed) <= set(touched) and touched == sorted(set(touched))
+    assert all(0 <= t < 40 for t in touched)
 
 
 # ---------------------------------------------------------------- reproducibility

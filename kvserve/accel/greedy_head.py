@@ -68,13 +68,14 @@ class GreedyHead:
         tokens = kernels.screen_argmax(hidden, self.panels.packed, self.panels.rows, self.screen, allowed)
         return tokens, (tokens < 0).nonzero().flatten().tolist()
 
-    def top_k_logits(self, hidden: torch.Tensor, top_k: list[int]) -> tuple[torch.Tensor, list[int]] | None:
+    def top_k_logits(self, hidden: torch.Tensor, top_k: list[int], touched: list[list[int]] | None = None
+                     ) -> tuple[torch.Tensor, list[int]] | None:
         """hidden [N, K], top_k [N] -> (logits [N, V]: each row's logits of its top-k tokens and
-        any near them, -inf elsewhere (`kernels.screen_top_k`); rows left for the caller to compute
-        in full), or None where the screen does not apply."""
+        any near them, and of its touched tokens, -inf elsewhere (`kernels.screen_top_k`); rows
+        left for the caller to compute in full), or None where the screen does not apply."""
         if not self._takes(hidden):
             return None
-        return kernels.screen_top_k(hidden, self.panels.packed, self.panels.rows, self.screen, top_k)
+        return kernels.screen_top_k(hidden, self.panels.packed, self.panels.rows, self.screen, top_k, touched)
 
 
 # model -> its screen: kept beside the model (the model class knows nothing of fast paths);
@@ -135,14 +136,17 @@ def greedy_tokens(model: nn.Module, hidden: torch.Tensor, allowed: torch.Tensor 
     return tokens
 
 
-def top_k_logits(model: nn.Module, hidden: torch.Tensor, top_k: list[int]) -> torch.Tensor | None:
+def top_k_logits(model: nn.Module, hidden: torch.Tensor, top_k: list[int], touched: list[list[int]] | None = None
+                 ) -> torch.Tensor | None:
     """hidden [N, hidden], top_k [N] (1 .. kernels.SCREEN_MAX_TOP_K) -> fp32 logits [N, V] that
     equal model.compute_logits(hidden) (bitwise) at each row's top_k largest tokens and at any
     token within 2^-20 of the k-th, -inf elsewhere: what a row sampled under top-k (then
     temperature, top-p, min-p) draws from, through the head's int8 screen; None where there is
-    none (as `greedy_tokens`)."""
+    none (as `greedy_tokens`). touched [N]: each row's tokens that penalties or logit biases will
+    change (distinct, in [0, V)): computed too, and the top_k covered is then that of the row after
+    those changes, whatever they are."""
     screen = _usable_screen(model)
-    found = None if screen is None else screen.top_k_logits(hidden, top_k)
+    found = None if screen is None else screen.top_k_logits(hidden, top_k, touched)
     if found is None:
         return None
     logits, unsettled = found

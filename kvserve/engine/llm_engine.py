@@ -330,9 +330,10 @@ class LLMEngine:
                 batch, self.sampler, self.runner.model.config.vocab_size)) is not None:
             tokens, logits = self.runner.execute_greedy(batch.inputs, allowed)  # greedy under grammars
             picked = None if tokens is None else tokens.tolist()
-        elif (top_k := step_batch.top_k_rows(batch, self.sampler, self.runner.model.config.vocab_size,
-                                             *self.runner.screen_top_k)) is not None:
-            logits = self.runner.execute_top_k(batch.inputs, top_k)  # only the top-k rows' few logits
+        elif (screened := step_batch.top_k_rows(batch, self.sampler, self.runner.model.config.vocab_size,
+                                                *self.runner.screen_top_k)) is not None:
+            # only the rows' few largest logits and those their penalties change
+            logits = self.runner.execute_top_k(batch.inputs, screened.top_k, screened.touched)
         else:
             logits = self.runner.execute(batch.inputs)
         # Speculative tokens are appended before `update` (which sets num_rejected-aware

@@ -206,10 +206,12 @@ class ModelRunner:
         return head_screen(self.model) is not None
 
     @property
-    def screen_top_k(self) -> tuple[int, int]:
-        """(the largest top-k, the most rows) of a step the head's screen serves (`execute_top_k`);
-        (0, 0): none."""
-        return (kernels.SCREEN_MAX_TOP_K, kernels.SCREEN_TOP_K_MAX_ROWS) if self.has_greedy_screen else (0, 0)
+    def screen_top_k(self) -> tuple[int, int, int]:
+        """(the largest top-k, the most rows, the most touched tokens) of a step the head's screen
+        serves (`execute_top_k`); (0, 0, 0): none."""
+        if not self.has_greedy_screen:
+            return 0, 0, 0
+        return kernels.SCREEN_MAX_TOP_K, kernels.SCREEN_TOP_K_MAX_ROWS, kernels.SCREEN_MAX_TOUCHED
 
     @torch.inference_mode()
     def execute_greedy(self, inputs: Seq[StepInput], allowed: torch.Tensor | None = None
@@ -230,12 +232,14 @@ class ModelRunner:
         return None, self.model.compute_logits(hidden, upcast=False)
 
     @torch.inference_mode()
-    def execute_top_k(self, inputs: Seq[StepInput], top_k: list[int]) -> torch.Tensor:
-        """A forward pass whose logit row i is sampled from its top_k[i] largest logits alone:
-        through the model's screen, fp32 logits [rows, vocab] equal to `execute`'s at those
-        tokens (and any within 2^-20 of the k-th), -inf elsewhere; without one, `execute`'s."""
+    def execute_top_k(self, inputs: Seq[StepInput], top_k: list[int], touched: list[list[int]] | None = None
+                      ) -> torch.Tensor:
+        """A forward pass whose logit row i is sampled from its top_k[i] largest logits alone, after
+        its penalties change the logits of its touched[i] tokens: through the model's screen, fp32
+        logits [rows, vocab] equal to `execute`'s at those tokens (and any within 2^-20 of the
+        k-th), -inf elsewhere; without one, `execute`'s."""
         hidden = self._forward(inputs, None)
-        logits = top_k_logits(self.model, hidden, top_k) if hidden.shape[0] else None
+        logits = top_k_logits(self.model, hidden, top_k, touched) if hidden.shape[0] else None
         if logits is not None:
             return logits
         if hidden.shape[0] == 0:

@@ -14,7 +14,7 @@ import torch
 
 from kvserve.engine.model_runner import StepInput
 from kvserve.engine.scheduler import ScheduledSeq, SchedulerOutput
-from kvserve.sampling import Sampler, SamplerOutput, SamplingRequest
+from kvserve.sampling import Sampler, SamplerOutput, SamplingRequest, ScreenedRows
 from kvserve.sequence import Sequence
 from kvserve.speculative.proposers import Draft
 
@@ -126,13 +126,14 @@ def argmax_masks(b: StepBatch, sampler: Sampler, vocab_size: int) -> torch.Tenso
     return sampler.greedy_masks([sampling_request(s) for s in b.samplers], vocab_size)
 
 
-def top_k_rows(b: StepBatch, sampler: Sampler, vocab_size: int, max_k: int, max_rows: int) -> list[int] | None:
+def top_k_rows(b: StepBatch, sampler: Sampler, vocab_size: int, max_k: int, max_rows: int, max_touched: int
+               ) -> ScreenedRows | None:
     """A step of 1 .. max_rows logit rows, without drafts or hidden rows, whose rows all draw from
-    their few largest logits (`Sampler.screened_top_k`, k <= max_k): each row's k, in row order;
-    else None."""
+    their few largest logits (`Sampler.screened_top_k`, k <= max_k, at most max_touched tokens
+    changed by penalties): each row's k and touched tokens, in row order; else None."""
     if not 0 < b.num_rows <= max_rows or b.spec or b.hidden or b.rows != list(range(b.num_rows)):
         return None
-    return sampler.screened_top_k([sampling_request(s) for s in b.samplers], vocab_size, max_k)
+    return sampler.screened_top_k([sampling_request(s) for s in b.samplers], vocab_size, max_k, max_touched)
 
 
 def sampling_groups(rows: list[int], samplers: list[Sequence]) -> list[tuple[list[int], list[Sequence]]]:

@@ -148,7 +148,7 @@ _SIGNATURES: dict[str, dict[str, tuple[list, object]]] = {
     "greedy_head": {"screen_available": ([], ctypes.c_int),  # exact greedy tokens of an fp32 head
                     "screen_pack": ([_P, _I, _P, _P, _P, _P, _I, _I, _I], ctypes.c_int),
                     "screen_argmax": ([_P, _P, _I, _P, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I], ctypes.c_int),
-                    "screen_top_k": ([_P, _P, _I, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I], ctypes.c_int)},
+                    "screen_top_k": ([_P, _P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I], ctypes.c_int)},
 }
 
 
@@ -639,15 +639,22 @@ SCREEN_MAX_TOP_K = 128  # the largest top-k the screen keeps a heap of lower bou
 # (a strided walk of the packed head each), so from ~14 rows the full head costs less (Intel Xeon:
 # 3.1x the full head's speed at 1 row, 1.6x at 8, 0.9x at 16).
 SCREEN_TOP_K_MAX_ROWS = 8
+# Tokens a step's rows may ask the screen for besides their top-k (those their penalties change):
+# each is an exact logit, a strided walk of the packed head (Intel Xeon, Gemma: +4.5 ms for 2,048 at
+# one row, a screen of 11 ms against the full head's 23; at 8 rows and k = 40, 23 against 32).
+SCREEN_MAX_TOUCHED = 2048
 
 
 def screen_top_k(x: torch.Tensor, packed: torch.Tensor, n: int, screen: HeadScreen, top_k: list[int],
-                 cap: int = SCREEN_CAP) -> tuple[torch.Tensor, list[int]]:
+                 touched: list[list[int]] | None = None, cap: int = SCREEN_CAP) -> tuple[torch.Tensor, list[int]]:
     """x [M, K] fp32 (CPU), top_k [M] (1 <= k <= SCREEN_MAX_TOP_K) -> (logits [M, n] fp32, rows the
     screen did not settle). A settled row holds, bitwise, panel_matmul(x, packed, n)'s logits of
     a superset of its top_k largest tokens (every token tied with the k-th, and any token within
     2^-20 of it) and -inf elsewhere, so temperature, top-k, top-p and min-p applied to it cut and
-    draw as on the full row; an unsettled row is left uninitialised for the caller to compute."""
+    draw as on the full row; an unsettled row is left uninitialised for the caller to compute.
+    touched [M]: each row's tokens that its penalties or logit biases will change (distinct, in
+    [0, n)): they get their logits too, and the superset covers the top_k of the row after any
+    change to them."""
     lib = _screen_lib()
     assert lib is not None and screen.scale.shape[0] == n, "pack_head_screen first"
     x = x.contiguous()
@@ -655,11 +662,22 @@ def screen_top_k(x: torch.Tensor, packed: torch.Tensor, n: int, screen: HeadScre
     if len(top_k) != m or not all(1 <= t <= min(n, SCREEN_MAX_TOP_K) for t in top_k):
         raise ValueError(f"top_k must hold {m} values in [1, {min(n, SCREEN_MAX_TOP_K)}], got {top_k}")
     ks = torch.tensor(top_k, dtype=torch.int32)
+    off = ids = None
+    if touched is not None:
+        if len(touched) != m:
+            raise ValueError(f"touched must hold {m} rows of token ids, got {len(touched)}")
+        ids = torch.tensor([t for row in touched for t in row], dtype=torch.int32)
+        if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < n):
+            raise ValueError(f"touched token ids must lie in [0, {n}), got {int(ids.min())}..{int(ids.max())}")
+        if any(len(set(row)) != len(row) for row in touched):
+            raise ValueError("touched token ids must be distinct within a row")
+        off = torch.tensor([0] + [len(row) for row in touched], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     out = torch.empty(m, n, dtype=torch.float32)
     done = torch.empty(m, dtype=torch.int32)
     lib.screen_top_k(x.data_ptr(), packed.data_ptr(), packed.shape[2], screen.q.data_ptr(), screen.scale.data_ptr(),
-                     screen.c1.data_ptr(), screen.c2.data_ptr(), ks.data_ptr(), out.data_ptr(), done.data_ptr(),
-                     m, n, k, cap, torch.get_num_threads())
+                     screen.c1.data_ptr(), screen.c2.data_ptr(), ks.data_ptr(),
+                     None if off is None else off.data_ptr(), None if ids is None else ids.data_ptr(),
+                     out.data_ptr(), done.data_ptr(), m, n, k, cap, torch.get_num_threads())
     return out, (done == 0).nonzero().flatten().tolist()
 
 

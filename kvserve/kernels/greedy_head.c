@@ -488,18 +488,22 @@ static void push_top(TopK *s, int v, double up) {
 }
 
 /* One row's 16 (or ncols) dots of a panel: raise the row's k largest lower bounds, keep the
- * tokens whose upper bound reaches below(T). The same bound as bounds() above. */
+ * tokens whose upper bound reaches below(T). The same bound as bounds() above. Tokens the row's
+ * mask leaves out (its touched tokens, computed exactly apart) neither count nor are kept. */
 static inline void bounds_top(const int32_t *dots, const double *scale, const double *c1, const double *c2,
-                              int ncols, double sh, double hl1, double r, int v0, TopK *s) {
+                              int ncols, double sh, double hl1, double r, int v0, const int32_t *allowed, TopK *s) {
+    const unsigned bits = allowed_bits(allowed, v0);
+    if (!bits) return;
     double lo[PT], up[PT];
     double lmax = -INFINITY, umax = -INFINITY;
 #pragma omp simd reduction(max : lmax, umax)
     for (int c = 0; c < PT; c++) {
         const int j = c < ncols ? c : 0; /* (a partial panel's missing tokens: any valid term, -inf below) */
+        const int in = c < ncols && ((bits >> c) & 1u);
         const double est = scale[j] * sh * (double)dots[c];
         const double width = bound_width(est, c1[j], c2[j], hl1, r);
-        lo[c] = c < ncols ? est - width : -INFINITY;
-        up[c] = c < ncols ? est + width : -INFINITY;
+        lo[c] = in ? est - width : -INFINITY;
+        up[c] = in ? est + width : -INFINITY;
         lmax = fmax(lmax, lo[c]);
         umax = fmax(umax, up[c]);
     }
@@ -514,14 +518,15 @@ static inline void bounds_top(const int32_t *dots, const double *scale, const do
 
 typedef struct {
     const double *scale, *c1, *c2, *sh, *hl1, *r;
-    int M;
+    const int32_t *allowed; /* NULL, or [M, W] words: the tokens each row's bounds cover */
+    int W, M;
     TopK *st; /* [threads, M] */
 } TopKScan;
 
 static void top_k_panel(void *ctx, int t, int row, const int32_t *dots, int p, int ncols) {
     const TopKScan *a = ctx;
     bounds_top(dots, a->scale + p * PT, a->c1 + p * PT, a->c2 + p * PT, ncols, a->sh[row], a->hl1[row], a->r[row],
-               p * PT, &a->st[(size_t)t * a->M + row]);
+               p * PT, a->allowed ? a->allowed + (size_t)row * a->W : NULL, &a->st[(size_t)t * a->M + row]);
 }
 
 static int desc_double(const void *a, const void *b) {
@@ -529,28 +534,48 @@ static int desc_double(const void *a, const void *b) {
     return (x < y) - (x > y);
 }
 
+/* Each row's mask of the tokens its bounds cover: all but its touched tokens (off [M + 1] into
+ * ids, each below 32 W); NULL where that fails. */
+static int32_t *untouched_masks(const int32_t *off, const int32_t *ids, int M, int W) {
+    int32_t *mask = malloc(sizeof(int32_t) * (size_t)M * W);
+    if (!mask) return NULL;
+    memset(mask, 0xFF, sizeof(int32_t) * (size_t)M * W);
+    for (int i = 0; i < M; i++)
+        for (int j = off[i]; j < off[i + 1]; j++)
+            mask[(size_t)i * W + (ids[j] >> 5)] &= (int32_t) ~(1u << (ids[j] & 31));
+    return mask;
+}
+
 /* x [M, K] fp32 rows, the head and its screen as for screen_argmax, ks [M] each row's k (1 <= k
  * <= V) -> out [M, V]: for each row settled, the fp32 logits (panel_gemm.c's, bitwise) of every
  * token whose upper bound reaches below(T), -inf elsewhere: a superset of its top k that any
- * temperature, top-k, top-p and min-p cut the way they cut the full logits. done[i] = 0 for a
- * row left to the caller (more than cap candidates in a thread, a zero or non-finite row or
- * logit), its out row untouched. Returns how many rows those are. */
+ * temperature, top-k, top-p and min-p cut the way they cut the full logits. touched_off [M + 1]
+ * (NULL: none) and touched: each row's touched tokens (those its penalties or biases will
+ * change, distinct, in [0, V)), which the bounds leave out and which get their fp32 logits
+ * whatever they are: T is then the k-th largest lower bound of the others, at most the k-th
+ * largest logit after any change to the touched ones, so the kept tokens still cover the top k
+ * of the changed row. done[i] = 0 for a row left to the caller (more than cap candidates in a
+ * thread, a zero or non-finite row or logit), its out row untouched. Returns how many rows
+ * those are. */
 int screen_top_k(const float *x, const float *wp, int pw, const int8_t *q, const double *scale, const double *c1,
-                 const double *c2, const int32_t *ks, float *out, int32_t *done, int M, int V, int K, int cap,
-                 int threads) {
+                 const double *c2, const int32_t *ks, const int32_t *touched_off, const int32_t *touched, float *out,
+                 int32_t *done, int M, int V, int K, int cap, int threads) {
     const int Kp = K + (K & 1);
     const int QH = (int)fmin(16383.0, floor(2147483647.0 / (127.0 * Kp)));
     if (threads < 1) threads = 1;
     int kmax = 1;
     for (int i = 0; i < M; i++) kmax = ks[i] > kmax ? ks[i] : kmax;
+    const int W = (V + 31) / 32;
     int16_t *hq = calloc((size_t)M * Kp, sizeof *hq);
     double *sh = malloc(sizeof(double) * (size_t)M * 3), *hl1 = sh + M, *r = sh + 2 * M;
     int *skip = calloc((size_t)M, sizeof *skip);
     TopK *st = calloc((size_t)threads * M, sizeof *st);
     double *heaps = malloc(sizeof(double) * (size_t)threads * M * kmax);
     cand *buf = malloc(sizeof(cand) * (size_t)threads * M * cap);
-    if (!hq || !sh || !skip || !st || !heaps || !buf) {
-        free(hq), free(sh), free(skip), free(st), free(heaps), free(buf);
+    const int any_touched = touched_off && touched_off[M] > 0;
+    int32_t *allowed = any_touched ? untouched_masks(touched_off, touched, M, W) : NULL;
+    if (!hq || !sh || !skip || !st || !heaps || !buf || (any_touched && !allowed)) {
+        free(hq), free(sh), free(skip), free(st), free(heaps), free(buf), free(allowed);
         for (int i = 0; i < M; i++) done[i] = 0;
         return M;
     }
@@ -559,7 +584,7 @@ int screen_top_k(const float *x, const float *wp, int pw, const int8_t *q, const
         for (int i = 0; i < M; i++)
             st[(size_t)t * M + i] = (TopK){heaps + ((size_t)t * M + i) * kmax, 0, ks[i], -INFINITY,
                                            buf + ((size_t)t * M + i) * cap, 0, cap, 0};
-    TopKScan ctx = {scale, c1, c2, sh, hl1, r, M, st};
+    TopKScan ctx = {scale, c1, c2, sh, hl1, r, allowed, W, M, st};
 #pragma omp parallel num_threads(threads)
     scan(hq, Kp, skip, M, q, V, omp_get_thread_num(), omp_get_num_threads(), top_k_panel, &ctx);
     /* Each row's threshold from every thread's k largest lower bounds; a row to settle gets its
@@ -588,12 +613,14 @@ int screen_top_k(const float *x, const float *wp, int pw, const int8_t *q, const
         }
         free(all);
     }
-    /* The candidates of every row settled, as one list the threads share (a batch-1 row's few
-     * hundred would otherwise fall to one thread). */
+    /* The candidates of every row settled and its touched tokens, as one list the threads share
+     * (a batch-1 row's few hundred would otherwise fall to one thread). */
     size_t total = 0;
     for (int i = 0; i < M; i++)
-        if (done[i])
+        if (done[i]) {
             for (int t = 0; t < threads; t++) total += st[(size_t)t * M + i].cnt;
+            if (any_touched) total += (size_t)(touched_off[i + 1] - touched_off[i]);
+        }
     cand *todo = thr && bad ? malloc(sizeof(cand) * (total ? total : 1)) : NULL;
     int32_t *todo_row = todo ? malloc(sizeof(int32_t) * (total ? total : 1)) : NULL;
     size_t nt = 0;
@@ -604,6 +631,10 @@ int screen_top_k(const float *x, const float *wp, int pw, const int8_t *q, const
                 for (int j = 0; j < s->cnt; j++)
                     if (s->c[j].up >= thr[i]) todo[nt] = s->c[j], todo_row[nt++] = i;
             }
+    for (int i = 0; i < M && todo_row && any_touched; i++)
+        if (done[i])
+            for (int j = touched_off[i]; j < touched_off[i + 1]; j++)
+                todo[nt] = (cand){touched[j], INFINITY}, todo_row[nt++] = i;
     if (!todo_row)
         for (int i = 0; i < M; i++) done[i] = 0;
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -623,7 +654,7 @@ int screen_top_k(const float *x, const float *wp, int pw, const int8_t *q, const
         if (done[i] && bad && bad[i]) done[i] = 0;
         unsettled += !done[i];
     }
-    free(thr), free(bad), free(todo), free(todo_row);
+    free(thr), free(bad), free(todo), free(todo_row), free(allowed);
     free(hq), free(sh), free(skip), free(st), free(heaps), free(buf);
     return unsettled;
 }
@@ -643,10 +674,10 @@ int screen_argmax(const float *x, const float *wp, int pw, const int8_t *q, cons
     return M;
 }
 int screen_top_k(const float *x, const float *wp, int pw, const int8_t *q, const double *scale, const double *c1,
-                 const double *c2, const int32_t *ks, float *out, int32_t *done, int M, int V, int K, int cap,
-                 int threads) {
-    (void)x, (void)wp, (void)pw, (void)q, (void)scale, (void)c1, (void)c2, (void)ks, (void)out, (void)V, (void)K,
-        (void)cap, (void)threads;
+                 const double *c2, const int32_t *ks, const int32_t *touched_off, const int32_t *touched, float *out,
+                 int32_t *done, int M, int V, int K, int cap, int threads) {
+    (void)x, (void)wp, (void)pw, (void)q, (void)scale, (void)c1, (void)c2, (void)ks, (void)touched_off, (void)touched,
+        (void)out, (void)V, (void)K, (void)cap, (void)threads;
     for (int i = 0; i < M; i++) done[i] = 0;
     return M;
 }

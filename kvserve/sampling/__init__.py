@@ -5,6 +5,7 @@ from kvserve.sampling.sampler import (
     Sampler,
     SamplerOutput,
     SamplingRequest,
+    ScreenedRows,
     apply_penalties,
     filter_logits,
 )
@@ -15,6 +16,7 @@ __all__ = [
     "Sampler",
     "SamplerOutput",
     "SamplingRequest",
+    "ScreenedRows",
     "StopChecker",
     "StopResult",
     "StreamDetokenizer",

@@ -32,6 +32,15 @@ class SamplingRequest:
 
 
 @dataclass
+class ScreenedRows:
+    """A step whose rows draw from their few largest logits (`Sampler.screened_top_k`): per row,
+    its top-k (1: greedy) and the tokens its penalties or logit biases change."""
+
+    top_k: list[int]
+    touched: list[list[int]]
+
+
+@dataclass
 class SamplerOutput:
     token_ids: list[int]  # one per row
     logprobs: list[float | None]  # log-softmax of the raw logits at the chosen token
@@ -96,6 +105,22 @@ def _penalize_row(row: torch.Tensor, req: SamplingRequest, eos_token_ids: Sequen
         ids, counts = out.unique(return_counts=True)
         # OpenAI: only generated tokens count, not the prompt.
         row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
+
+
+def touched_tokens(req: SamplingRequest, eos_token_ids: Sequence[int], vocab: int) -> list[int]:
+    """The tokens whose logits `_penalize_row` may change in the row (sorted, in [0, vocab)): the
+    logit_bias keys, the banned ends under min_tokens, the seen tokens of the penalties."""
+    p = req.params
+    ids: set[int] = set(p.logit_bias or ())
+    if _needs_min_tokens_mask(req):
+        ids.update(eos_token_ids)
+        ids.update(p.stop_token_ids)
+    if p.repetition_penalty != 1.0:
+        ids.update(req.prompt_token_ids)
+        ids.update(req.output_token_ids)
+    if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+        ids.update(req.output_token_ids)
+    return sorted(t for t in ids if 0 <= t < vocab)
 
 
 def apply_penalties(
@@ -316,21 +341,37 @@ class Sampler:
             return None
         return token_bitmask([r.grammar for r in requests], vocab_size)
 
-    @staticmethod
-    def screened_top_k(requests: list[SamplingRequest], vocab_size: int, max_k: int) -> list[int] | None:
-        """Where every row draws from its few largest logits alone: plain greedy rows (1) and
-        random rows under top-k <= max_k, none with penalties, a grammar or logprobs (which read
-        other logits), at least one of them random: each row's k, so that the engine may compute
-        only those logits (kvserve/accel/greedy_head.py); else None."""
-        ks = []
+    def screened_top_k(self, requests: list[SamplingRequest], vocab_size: int, max_k: int, max_touched: int
+                       ) -> ScreenedRows | None:
+        """Where every row draws from its few largest logits alone: greedy rows (k = 1) and random
+        rows under top-k <= max_k, none with a grammar or logprobs (which read other logits), at
+        least one of them random or with penalties (plain greedy steps have the greedy screen):
+        each row's k and its touched tokens, at most max_touched in all (each costs an exact
+        logit), so that the engine may compute only those logits (kvserve/accel/greedy_head.py);
+        else None."""
+        ks: list[int] = []
+        touched: list[list[int]] = []
+        budget = max_touched
         for r in requests:
-            if r.grammar is not None or r.params.logprobs is not None or _needs_penalties(r):
+            if r.grammar is not None or r.params.logprobs is not None:
                 return None
             k = 1 if r.params.greedy else r.params.top_k
             if not 0 < k <= min(max_k, vocab_size - 1):
                 return None
+            row: list[int] = []
+            if _needs_penalties(r):
+                # (a bound first: the prompt's distinct tokens are not counted for a long prompt)
+                if len(r.prompt_token_ids) + len(r.output_token_ids) > 4 * max_touched + 64:
+                    return None
+                row = touched_tokens(r, self.eos_token_ids, vocab_size)
+                budget -= len(row)
+                if budget < 0:
+                    return None
             ks.append(k)
-        return ks if any(not r.params.greedy for r in requests) else None
+            touched.append(row)
+        if all(_plain_greedy(r) for r in requests):
+            return None
+        return ScreenedRows(ks, touched)
 
     def __call__(self, logits: torch.Tensor, requests: list[SamplingRequest]) -> SamplerOutput:
         """logits: [N, V] float (one row per request) -> one token per row."""

@@ -77,22 +77,25 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __str__(self) -> str:
+        changed = [f"{k}={v}" for k, v in asdict(self).items() if v != getattr(Sampling, k) and k != "temperature"]
         if self.temperature == 0.0:
-            return "greedy"
-        return ", ".join(f"{k}={v}" for k, v in asdict(self).items() if v != getattr(Sampling, k) or k == "temperature")
+            return ", ".join(["greedy", *changed])
+        return ", ".join([f"temperature={self.temperature}", *changed])
 
     def params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-                              max_tokens=max_tokens, ignore_eos=True)
+                              repetition_penalty=self.repetition_penalty, max_tokens=max_tokens, ignore_eos=True)
 
     def hf_generate_kwargs(self) -> dict:
         """The same setting for HF generate (whose top_k defaults to 50: 0 turns it off)."""
+        penalty = {"repetition_penalty": self.repetition_penalty} if self.repetition_penalty != 1.0 else {}
         if self.temperature == 0.0:
-            return {"do_sample": False}
+            return {"do_sample": False, **penalty}
         return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-                "min_p": self.min_p or None}
+                "min_p": self.min_p or None, **penalty}
 
 
 def run_kvserve(loaded, wl: Workload, sampling: Sampling = Sampling(), **engine_args) -> Result:
@@ -217,7 +220,7 @@ def main(args) -> int:
     cfg = loaded.config
     wl = make_workload(args.num_prompts, tuple(args.input_len), tuple(args.output_len), cfg.vocab_size,
                        cfg.bos_token_id, args.seed)
-    sampling = Sampling(args.temperature, args.top_p, args.top_k, args.min_p)
+    sampling = Sampling(args.temperature, args.top_p, args.top_k, args.min_p, args.repetition_penalty)
     sampling.params(1)  # a bad setting fails here, naming the field, before any engine starts
     results: list[Result] = []
     engine_args = dict(kv_cache_gib=args.kv_cache_gib, max_num_batched_tokens=args.max_num_batched_tokens,
