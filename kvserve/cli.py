@@ -10,6 +10,8 @@ import time
 from kvserve.argtypes import json_object, positive_int
 
 
+# kvserve.server.reasoning.PARSERS, spelled out so that parsing flags does not import the server
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 # kvserve.model.attention.KV_CACHE_DTYPES, spelled out so that parsing flags does not import torch
 KV_CACHE_DTYPES = ("auto", "fp16", "bf16", "float16", "bfloat16", "fp32", "float32", "int8", "fp8")
 
@@ -222,6 +224,9 @@ def _add_serve_parser(sub) -> None:
                             "template defines, if any; 'required' and named choices work without one)")
     tools.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="accepted for vLLM command lines: tool_choice 'auto' is on whenever a parser is known")
+    tools.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
+                       help="a thinking model's <think> ... </think> block goes to the chat responses' reasoning "
+                            "field (and reasoning_content), the rest to content and tool calls (default: all content)")
 
 
 def _add_eval_parser(sub) -> None:
@@ -510,7 +515,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         allowed_hosts=None if args.allowed_hosts is None else args.allowed_hosts.split(","),
                         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
                         chat_template=args.chat_template,
-                        tool_call_parser=args.tool_call_parser, data_parallel_size=args.data_parallel_size,
+                        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                        data_parallel_size=args.data_parallel_size,
                         router=args.router, ray_address=args.ray_address,
                         router_cache_threshold=args.router_cache_threshold,
                         router_balance_abs_threshold=args.router_balance_abs_threshold,

@@ -194,3 +194,28 @@ def test_playground_api_key_errors_stop_and_clear(tiny_llama, page):
         # Only the two refusals the test asked for reach the console (Chrome logs 4xx fetches).
         expected = re.compile(r"Failed to load resource: the server responded with a status of 40[01]")
         assert [e for e in page.errors if not expected.search(e)] == []
+
+
+def test_playground_shows_a_thinking_models_reasoning_apart(tmp_path, page):
+    """With --reasoning-parser the reasoning deltas render in their own muted block above the
+    answer, equal to the API's `reasoning`: a template that opens every reply with <think> makes
+    the tiny model's whole reply reasoning (it never closes the block)."""
+    from tests.test_tool_calls import HERMES_TEMPLATE
+
+    template = HERMES_TEMPLATE.replace("<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\n<think>\n{% endif %}")
+    assert template != HERMES_TEMPLATE
+    make_model("qwen2", tmp_path)
+    (tmp_path / "chat_template.jinja").write_text(template)
+    with live_server(make_engine(load_model(tmp_path), kv_cache_gib=0.05), "thinker", reasoning_parser="qwen3") as srv:
+        page.goto(srv.url + "/")
+        page.fill("#max-tokens", "8")
+        page.fill("#seed", "3")
+        page.fill("#input", "Hello?")
+        page.press("#input", "Enter")
+        expect(page.locator(".msg.assistant .meta")).to_have_text(TIMING, timeout=GEN_TIMEOUT_MS)
+        body = {"model": "thinker", "messages": [{"role": "user", "content": "Hello?"}], "max_tokens": 8, "seed": 3,
+                "temperature": float(page.input_value("#temperature")), "top_p": float(page.input_value("#top-p"))}
+        ref = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=120).json()["choices"][0]["message"]
+        assert ref["reasoning"] and ref["content"] is None
+        expect(page.locator(".msg.assistant .reasoning")).to_have_text(ref["reasoning"])
+        assert page.errors == []

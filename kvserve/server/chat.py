@@ -34,6 +34,7 @@ from kvserve.server.protocol import (
     ToolCallDelta,
     Usage,
 )
+from kvserve.server.reasoning import ReasoningSplitter, opens_reasoning
 from kvserve.server.state import Job, ServerState
 from kvserve.server.streams import DONE, SSEResponse, sse, unless_disconnected
 from kvserve.server.structured import compile_constraint, constraint_of
@@ -48,6 +49,11 @@ class _Job(Job):
     id_prefix = "chatcmpl"
     req: ChatCompletionRequest
     tools: ToolPlan = field(default_factory=lambda: ToolPlan("none"))
+    reasoning: bool = False  # the server splits <think> blocks off (--reasoning-parser)
+    opens_reasoning: bool = False  # ... and this prompt leaves the model inside one
+
+    def new_splitter(self) -> ReasoningSplitter | None:
+        return ReasoningSplitter(in_reasoning=self.opens_reasoning) if self.reasoning else None
 
     def logprobs(self, token_ids: list[int], lps: list, tops: list) -> ChatLogprobs | None:
         if not self.req.logprobs:
@@ -70,11 +76,14 @@ async def create_chat_completion(state: ServerState, request: Request, req: Chat
     await check_tool_schemas(req, tools)
     if constraint is not None:
         await compile_constraint(state, constraint)
-    ids = await _prompt_ids(state, req, tools)
+    ids, prompt = await _prompt_ids(state, req, tools)
     check_context(len(ids), params.max_tokens, state.max_model_len, "messages", req.max_tokens_field)
     params.max_tokens = state.limits.default_max_tokens(params.max_tokens, len(ids), state.max_model_len,
                                                         params.min_tokens)
-    job = _Job(state, req, params, arrival, tools=tools)
+    # A constrained output is shaped by its grammar from the first token: it starts in reasoning
+    # only by writing <think> itself, whatever the template opened.
+    job = _Job(state, req, params, arrival, tools=tools, reasoning=state.reasoning_parser is not None,
+               opens_reasoning=constraint is None and opens_reasoning(prompt))
     try:
         stream = state.engine.generate(ids, params, job.id, job.arrival_time, cache_salt=req.cache_salt,
                                        deadline=job.arrival_time + state.limits.request_timeout)
@@ -98,7 +107,8 @@ def render_messages(state: ServerState, req: ChatCompletionRequest, tools: ToolP
         raise APIError(400, message, e.field, "invalid_messages") from None
 
 
-async def _prompt_ids(state: ServerState, req: ChatCompletionRequest, tools: ToolPlan) -> list[int]:
+async def _prompt_ids(state: ServerState, req: ChatCompletionRequest, tools: ToolPlan) -> tuple[list[int], str]:
+    """The rendered conversation's token ids, and its text."""
     # Rendering is a Jinja template over every message: off the event loop for long conversations.
     many = sum(len(m.text) for m in req.messages) > OFF_LOOP_CHARS or len(req.messages) > 64
     text = await asyncio.to_thread(render_messages, state, req, tools) if many else \
@@ -107,7 +117,7 @@ async def _prompt_ids(state: ServerState, req: ChatCompletionRequest, tools: Too
     ids = await state.engine.encode(text, add_special_tokens=False)
     if not ids:
         raise APIError(400, "messages render to an empty prompt", "messages", "invalid_messages")
-    return ids
+    return ids, text
 
 
 async def _collect(stream: RequestStream) -> RequestOutput:
@@ -127,16 +137,23 @@ def _response(job: _Job, out: RequestOutput) -> ChatCompletionResponse:
 
 
 def _choice(job: _Job, c: CompletionOutput) -> ChatChoice:
-    """One choice of a whole response: its text, or the content and tool calls parsed from it
-    (by the parser a stream uses, fed the whole text at once: the stream reassembles to this)."""
-    content, calls = c.text, None
+    """One choice of a whole response: its text, or its reasoning and the content and tool calls
+    parsed from the rest (by the splitter and parser a stream uses, fed the whole text at once: the
+    stream reassembles to this)."""
+    content, calls, reasoning = c.text, None, None
+    splitter = job.new_splitter()
+    if splitter is not None:
+        reasoning, content = splitter.split(c.text)
+        reasoning = reasoning if splitter.saw_reasoning else None
     parser = job.tools.new_parser()
     if parser is not None:
-        content = parser.feed(c.text)[0] + parser.finish()[0]
+        content = parser.feed(content)[0] + parser.finish()[0]
         calls = [ToolCall(id=p.id, function=FunctionCall(name=p.name, arguments=p.arguments))
                  for p in _kept_calls(job, parser.calls)] or None
+    if parser is not None or reasoning is not None:
         content = content or None
-    return ChatChoice(index=c.index, message=AssistantMessage(content=content, tool_calls=calls),
+    message = AssistantMessage(content=content, tool_calls=calls, reasoning=reasoning, reasoning_content=reasoning)
+    return ChatChoice(index=c.index, message=message,
                       logprobs=job.logprobs(c.token_ids, c.logprobs or [], c.top_logprobs or []),
                       finish_reason=_finish_reason(c.finish_reason, bool(calls)), stop_reason=c.stop_reason)
 
@@ -159,6 +176,7 @@ async def _stream(job: _Job, stream: RequestStream) -> AsyncIterator[str]:
     started: set[int] = set()
     done: set[int] = set()
     parsers: dict[int, ToolParser | None] = {}
+    splitters: dict[int, ReasoningSplitter | None] = {}
     final: RequestOutput | None = None
     num_output_tokens = 0  # the outputs carry only what is new: count as they come
     try:
@@ -167,7 +185,8 @@ async def _stream(job: _Job, stream: RequestStream) -> AsyncIterator[str]:
             for c in out.outputs:
                 if c.index not in parsers:
                     parsers[c.index] = job.tools.new_parser()
-                for choice in _choice_deltas(job, c, started, done, parsers[c.index]):
+                    splitters[c.index] = job.new_splitter()
+                for choice in _choice_deltas(job, c, started, done, parsers[c.index], splitters[c.index]):
                     yield sse(_chunk(job, [choice], include_usage))
             if out.finished:
                 final = out
@@ -183,18 +202,24 @@ async def _stream(job: _Job, stream: RequestStream) -> AsyncIterator[str]:
 
 
 def _choice_deltas(job: _Job, c: CompletionOutput, started: set[int], done: set[int],
-                   parser: ToolParser | None = None) -> list[ChatChunkChoice]:
-    """The chunks one output contributes for one choice: role first, then content (or tool
-    call pieces, through the choice's parser)/finish."""
+                   parser: ToolParser | None = None, splitter: ReasoningSplitter | None = None
+                   ) -> list[ChatChunkChoice]:
+    """The chunks one output contributes for one choice: role first, then reasoning (through
+    the choice's splitter), content (or tool call pieces, through its parser)/finish."""
     if c.index in done:
         return []
     out: list[ChatChunkChoice] = []
     if c.index not in started:
         started.add(c.index)
         out.append(ChatChunkChoice(index=c.index, delta=Delta(role="assistant", content="")))
-    content, calls, finish_reason = c.delta_text, None, c.finish_reason
+    content, calls, finish_reason, reasoning = c.delta_text, None, c.finish_reason, ""
+    if splitter is not None:
+        reasoning, content = splitter.feed(c.delta_text)
+        if c.finished:
+            more, rest = splitter.finish()
+            reasoning, content = reasoning + more, content + rest
     if parser is not None:
-        content, deltas = parser.feed(c.delta_text)
+        content, deltas = parser.feed(content)
         if c.finished:
             more, rest = parser.finish()
             content, deltas = content + more, deltas + rest
@@ -202,9 +227,11 @@ def _choice_deltas(job: _Job, c: CompletionOutput, started: set[int], done: set[
         if c.finished:
             finish_reason = _finish_reason(c.finish_reason, bool(parser.calls))
     want_lp = job.req.logprobs and c.delta_token_ids
-    if content or calls or c.finished or want_lp:
+    if content or calls or reasoning or c.finished or want_lp:
         lps, tops = delta_logprobs(c)
-        out.append(ChatChunkChoice(index=c.index, delta=Delta(content=content or None, tool_calls=calls),
+        delta = Delta(content=content or None, tool_calls=calls, reasoning=reasoning or None,
+                      reasoning_content=reasoning or None)
+        out.append(ChatChunkChoice(index=c.index, delta=delta,
                                    logprobs=job.logprobs(c.delta_token_ids, lps, tops),
                                    finish_reason=finish_reason, stop_reason=c.stop_reason))
     if c.finished:

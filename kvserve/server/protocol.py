@@ -200,6 +200,10 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool's result: which call it answers
+    # an assistant turn's reasoning as a response gave it back (--reasoning-parser; vLLM's name and
+    # the earlier one), for templates that render it (Qwen3's reads `reasoning_content`)
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     @model_validator(mode="after")
     def _check_content(self):
@@ -211,6 +215,9 @@ class ChatMessage(_Strict):
             raise FieldError("tool_call_id", "is required for a 'tool' message")
         if self.tool_call_id is not None and self.role != "tool":
             raise FieldError("tool_call_id", f"is only allowed in a 'tool' message, not {self.role!r}")
+        for name in ("reasoning", "reasoning_content"):
+            if getattr(self, name) is not None and self.role != "assistant":
+                raise FieldError(name, f"is only allowed in an 'assistant' message, not {self.role!r}")
         return self
 
     @property
@@ -348,6 +355,10 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    # with --reasoning-parser: the model's reasoning (vLLM's name; reasoning_content, the earlier
+    # name that llama.cpp's server uses, holds the same)
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] | None = None
 
 
@@ -387,6 +398,8 @@ class ChatCompletionResponse(BaseModel):
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning: str | None = None  # (as AssistantMessage's)
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 

@@ -36,6 +36,7 @@ class ServerState:
     draining: bool = False  # set on SIGTERM: new API requests get 503
     inflight: int = 0  # API requests being handled (streams included), counted by the gateway
     tool_parser: str | None = None  # the tool-call format of tool_choice "auto" (None: no auto tool calls)
+    reasoning_parser: str | None = None  # --reasoning-parser (None: the output is all content)
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -152,6 +152,9 @@ def message_dict(m: ChatMessage) -> dict:
                            for c in m.tool_calls]
     if m.tool_call_id is not None:
         d["tool_call_id"] = m.tool_call_id
+    reasoning = m.reasoning if m.reasoning is not None else m.reasoning_content
+    if reasoning is not None:
+        d["reasoning_content"] = reasoning  # (the key templates read)
     return d
 
 
