@@ -497,6 +497,8 @@ def test_which_rows_the_screen_serves():
     assert sampler.screened_top_k(rows, 1000, 128, 9) is not None
     long = req(prompt=range(10, 10 + 4 * 8 + 64), temperature=0, repetition_penalty=1.1)
     assert sampler.screened_top_k([long], 1000, 128, 8) is None
+    biased = req(prompt=range(10, 10 + 4 * 8 + 64), temperature=0, logit_bias={5: 1.0})  # reads no prompt
+    assert sampler.screened_top_k([biased], 1000, 128, 8).touched == [[5]]
 
 
 @needs_screen

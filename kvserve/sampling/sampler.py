@@ -360,8 +360,11 @@ class Sampler:
                 return None
             row: list[int] = []
             if _needs_penalties(r):
-                # (a bound first: the prompt's distinct tokens are not counted for a long prompt)
-                if len(r.prompt_token_ids) + len(r.output_token_ids) > 4 * max_touched + 64:
+                # (a bound first: the distinct tokens of a long prompt or output are not counted)
+                p = r.params
+                seen = (len(r.prompt_token_ids) if p.repetition_penalty != 1.0 else 0) + \
+                    (len(r.output_token_ids) if penalizes(p) else 0)
+                if seen > 4 * max_touched + 64:
                     return None
                 row = touched_tokens(r, self.eos_token_ids, vocab_size)
                 budget -= len(row)
