@@ -8,10 +8,9 @@ import sys
 import time
 
 from kvserve.argtypes import json_object, positive_int
+from kvserve.reasoning import PARSERS as REASONING_PARSERS
 
 
-# kvserve.server.reasoning.PARSERS, spelled out so that parsing flags does not import the server
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
 # kvserve.model.attention.KV_CACHE_DTYPES, spelled out so that parsing flags does not import torch
 KV_CACHE_DTYPES = ("auto", "fp16", "bf16", "float16", "bfloat16", "fp32", "float32", "int8", "fp8")
 
@@ -505,7 +504,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           use_kv_cache=not args.no_kv_cache, kv_cache_gib=args.kv_cache_gib,
                           max_model_len=args.max_model_len, num_threads=args.threads,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          seed=args.seed, pooler_config=args.pooler_config, **decoding_config(args))
+                          seed=args.seed, pooler_config=args.pooler_config, reasoning_parser=args.reasoning_parser,
+                          **decoding_config(args))
     server_limits = {k: getattr(args, k) for k in ("max_queue", "max_body_bytes") if getattr(args, k) is not None}
     opts = ServeOptions(host=args.host, port=args.port, served_model_name=args.served_model_name,
                         api_key=resolve_api_key(args.api_key, args.api_key_file),
@@ -515,8 +515,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         allowed_hosts=None if args.allowed_hosts is None else args.allowed_hosts.split(","),
                         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
                         chat_template=args.chat_template,
-                        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                        data_parallel_size=args.data_parallel_size,
+                        tool_call_parser=args.tool_call_parser, data_parallel_size=args.data_parallel_size,
                         router=args.router, ray_address=args.ray_address,
                         router_cache_threshold=args.router_cache_threshold,
                         router_balance_abs_threshold=args.router_balance_abs_threshold,

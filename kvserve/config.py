@@ -14,6 +14,7 @@ from kvserve.loading.hub import parse_hub_name
 from kvserve.loading.loader import DTYPES
 from kvserve.model.attention import KV_CACHE_DTYPES
 from kvserve.pooling_params import PoolerConfig
+from kvserve.reasoning import PARSERS as REASONING_PARSERS
 
 DEVICES = ("cpu", "cuda")
 SPECULATIVE = ("ngram", "draft", "self")
@@ -291,6 +292,10 @@ class EngineConfig:
     # holding its share of the attention heads, the MLP and the vocabulary, bound to its share of
     # the cores (gloo on the CPU, NCCL on CUDA). Float weights only.
     tensor_parallel_size: int = 1
+    # A thinking model's reasoning format (vLLM's --reasoning-parser: "qwen3", "deepseek_r1", <think>
+    # blocks; kvserve/reasoning.py). A structured-output request whose prompt opens a block thinks
+    # unconstrained; its grammar applies from the token that closes the block. None: from the start.
+    reasoning_parser: str | None = None
     # The parts, made by __post_init__ from the fields above (not constructor arguments).
     cache_config: CacheConfig = field(init=False, repr=False, compare=False)
     scheduler_config: SchedulerConfig = field(init=False, repr=False, compare=False)
@@ -311,6 +316,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {self.dtype!r}")
         _positive_int(self, "num_threads", optional=True)
         _flag(self, "enforce_eager", "allow_download")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS} or None, got {self.reasoning_parser!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         self.pooler_config = PoolerConfig.of(self.pooler_config)

@@ -103,6 +103,9 @@ class Sequence:
     # Structured outputs: the sequence's place in its request's grammar (a
     # kvserve.sampling.structured.GrammarState, set once the grammar is compiled).
     grammar: Any = field(default=None, repr=False)
+    # The grammar while the sequence reasons (a prompt that opened a <think> block, under a
+    # reasoning parser): it becomes `grammar` with the token that closes the block.
+    reasoning_grammar: Any = field(default=None, repr=False)
     detokenizer: IncrementalDetokenizer | StreamDetokenizer | None = field(default=None, repr=False)
     stop_checker: StopChecker | None = field(default=None, repr=False)
     # Streamed text in pieces (joined only when an output needs all of it) and how much of

@@ -206,7 +206,7 @@ def test_playground_shows_a_thinking_models_reasoning_apart(tmp_path, page):
     assert template != HERMES_TEMPLATE
     make_model("qwen2", tmp_path)
     (tmp_path / "chat_template.jinja").write_text(template)
-    with live_server(make_engine(load_model(tmp_path), kv_cache_gib=0.05), "thinker", reasoning_parser="qwen3") as srv:
+    with live_server(make_engine(load_model(tmp_path), kv_cache_gib=0.05, reasoning_parser="qwen3"), "thinker") as srv:
         page.goto(srv.url + "/")
         page.fill("#max-tokens", "8")
         page.fill("#seed", "3")

@@ -1,7 +1,9 @@
-"""Reasoning apart from the answer (`--reasoning-parser`, kvserve/server/reasoning.py): the splitter on
+"""Reasoning apart from the answer (`--reasoning-parser`, kvserve/reasoning.py): the splitter on
 its own (any chunking of a stream gives the whole text's split), then a live server over a tiny
 Qwen2 whose output a regex forces, whole and streamed, with tool calls parsed from the content."""
 from __future__ import annotations
+
+import time
 
 import openai
 import pytest
@@ -9,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.loading import load_model
-from kvserve.server.reasoning import ReasoningSplitter, opens_reasoning
+from kvserve.reasoning import ReasoningSplitter, opens_reasoning
 from tests.server_harness import live_server, make_engine
 from tests.test_tool_calls import HERMES_TEMPLATE, TOOLS, USER
 from tests.tiny_models import make_model
@@ -68,8 +70,8 @@ def thinker(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-qwen2-thinker")
     make_model("qwen2", folder, max_position_embeddings=4096)
     (folder / "chat_template.jinja").write_text(THINKING_TEMPLATE)
-    with live_server(make_engine(load_model(folder), kv_cache_gib=0.05, max_model_len=4096), MODEL,
-                     reasoning_parser="qwen3") as srv:
+    engine = make_engine(load_model(folder), kv_cache_gib=0.05, max_model_len=4096, reasoning_parser="qwen3")
+    with live_server(engine, MODEL) as srv:
         yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
@@ -147,30 +149,30 @@ def test_tool_calls_are_parsed_from_the_content_alone(thinker):
     assert [(n, a) for n, a in calls.values()] == [("get_weather", whole.message.tool_calls[0].function.arguments)]
 
 
-def test_a_json_schema_is_an_answer_even_where_the_template_opened_a_block(thinker):
-    """A constrained output is the answer the grammar shapes from its first token, not reasoning."""
+def test_a_json_schema_comes_after_the_reasoning_the_template_opened(thinker):
+    """A constrained request whose template opened a block thinks unconstrained (the engine starts
+    its grammar after </think>): the tiny model never closes the block, so its noise is all
+    reasoning. Without the open block the grammar shapes the answer from its first token."""
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
               "additionalProperties": False}
-    r = thinker.chat.completions.create(model=MODEL, messages=USER, max_tokens=60, temperature=1.0, seed=1,
-                                        response_format={"type": "json_schema",
-                                                         "json_schema": {"name": "c", "schema": schema}},
-                                        extra_body={"chat_template_kwargs": {"open_think": True}}).choices[0]
+    kw = dict(model=MODEL, messages=USER, max_tokens=8, temperature=1.0, seed=1,
+              response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
+    r = thinker.chat.completions.create(**kw, extra_body={"chat_template_kwargs": {"open_think": True}}).choices[0]
+    assert r.message.content is None and r.message.model_extra["reasoning"] and r.finish_reason == "length"
+    r = thinker.chat.completions.create(**{**kw, "max_tokens": 60}).choices[0]
     assert r.message.content.startswith("{") and r.message.model_extra.get("reasoning") is None
 
 
 def test_an_unknown_parser_is_refused_by_name():
-    from kvserve.server.app import resolve_reasoning_parser
+    from kvserve.config import EngineConfig
 
-    assert resolve_reasoning_parser(None) is None and resolve_reasoning_parser("deepseek_r1") == "deepseek_r1"
-    with pytest.raises(ValueError, match="--reasoning-parser"):
-        resolve_reasoning_parser("granite")
+    with pytest.raises(ValueError, match="reasoning_parser"):
+        EngineConfig(reasoning_parser="granite")
 
 
-def test_the_flag_offers_the_servers_parsers():
+def test_the_flag_offers_the_parsers():
     import kvserve.cli as cli
-    from kvserve.server.reasoning import PARSERS
 
-    assert cli.REASONING_PARSERS == PARSERS
     assert cli.build_parser().parse_args(["serve", "--reasoning-parser", "qwen3"]).reasoning_parser == "qwen3"
     assert cli.build_parser().parse_args(["serve"]).reasoning_parser is None
 
@@ -190,3 +192,66 @@ def test_reasoning_given_back_is_accepted_on_assistant_turns_only(thinker):
     assert message_dict(ChatMessage(**turn))["reasoning_content"] == turn["reasoning"]
     assert message_dict(ChatMessage(role="assistant", content="a", reasoning_content="r"))["reasoning_content"] == "r"
     assert "reasoning_content" not in message_dict(ChatMessage(role="assistant", content="a"))
+
+
+def _scripted(eos_token_ids, script):
+    """A sampler that draws the given tokens in turn (whatever the logits), noting at each call
+    whether the row came with a grammar."""
+    from kvserve.sampling import Sampler, SamplerOutput
+
+    class Scripted(Sampler):
+        def __call__(self, logits, requests):
+            self.with_grammar.append(requests[0].grammar is not None)
+            return SamplerOutput(token_ids=[self.script.pop(0)], logprobs=[None], top_logprobs=[None])
+
+    sampler = Scripted(eos_token_ids)
+    sampler.script, sampler.with_grammar = list(script), []
+    return sampler
+
+
+def test_the_engine_starts_a_thinking_requests_grammar_after_the_end_tag(tmp_path, monkeypatch):
+    """Under a reasoning parser a constrained request whose prompt opens a block samples without
+    its grammar up to and including the tokens of </think>, then under it (a token the grammar
+    forbids would fail the request); a prompt that opens none has its grammar from the first token."""
+    from kvserve import LLM, SamplingParams
+    from kvserve.sampling_params import StructuredOutputsParams
+
+    make_model("qwen2", tmp_path)
+    llm = LLM(loaded=load_model(tmp_path), kv_cache_gib=0.05, reasoning_parser="qwen3")
+    tok = llm.tokenizer
+    thought, end, answer = (tok.encode(t, add_special_tokens=False) for t in (" hmm, ok", "</think>", "ok"))
+    eos = tok.eos_token_ids[0]
+    params = SamplingParams(temperature=1.0, max_tokens=40, structured_outputs=StructuredOutputsParams(regex="ok"))
+    prompt = tok.encode("Question?<think>\n", add_special_tokens=False)
+    assert opens_reasoning(tok.decode(prompt, skip_special_tokens=False))
+    llm.engine.sampler = _scripted(tok.eos_token_ids, thought + end + answer + [eos])
+    out = llm.generate([prompt], params)[0].outputs[0]
+    assert out.token_ids == thought + end + answer + [eos] and out.finish_reason == "stop"
+    assert llm.engine.sampler.with_grammar == [False] * len(thought + end) + [True] * (len(answer) + 1)
+    assert ReasoningSplitter(in_reasoning=True).split(out.text) == (tok.decode(thought), "ok")
+    llm.engine.sampler = _scripted(tok.eos_token_ids, answer + [eos])
+    out = llm.generate([tok.encode("Question?", add_special_tokens=False)], params)[0].outputs[0]
+    assert out.text == "ok" and llm.engine.sampler.with_grammar == [True] * (len(answer) + 1)
+    plain = LLM(loaded=load_model(tmp_path), kv_cache_gib=0.05)
+    plain.engine.sampler = _scripted(tok.eos_token_ids, thought + [eos])  # without the parser: masked at once
+    failed = plain.generate([prompt], params)[0]
+    assert plain.engine.sampler.with_grammar[0] is True and failed.error
+    # Multi-step decoding reserves no run for a thinking request: a run past </think> would hold
+    # tokens its grammar never masked.
+    from kvserve.engine.llm_engine import LLMEngine
+
+    monkeypatch.setattr(LLMEngine, "_cuda_graphs_apply", lambda self: self._cuda_graphs_fit())  # the CPU stand-in
+    multi = LLM(loaded=load_model(tmp_path), kv_cache_gib=0.05, reasoning_parser="qwen3", num_scheduler_steps=4)
+    greedy = SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="ok"))
+    seq = None
+    rid = multi.engine.add_request(prompt, greedy)
+    for _ in range(200):
+        multi.engine.step()
+        seq = multi.engine.requests[rid].seqs[0]
+        if seq.reasoning_grammar is not None:
+            break
+        time.sleep(0.01)  # (the grammar compiles beside the step loop)
+    assert seq.reasoning_grammar is not None and seq.grammar is None
+    assert multi.engine._lookahead(seq) == 0
+    seq.reasoning_grammar = None  # as a plain greedy request: a run of 4
+    assert multi.engine._lookahead(seq) == 3

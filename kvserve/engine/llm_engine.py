@@ -27,6 +27,8 @@ from kvserve.engine.outputs import RequestOutput, error_reference
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.loading import LoadedModel
 from kvserve.pooling_params import PoolingParams
+from kvserve.reasoning import END as REASONING_END
+from kvserve.reasoning import opens_reasoning
 from kvserve.sampling import Sampler, SamplerOutput
 from kvserve.sampling.prompt_logprobs import prompt_logprobs
 from kvserve.sampling.structured import GrammarBackend
@@ -38,6 +40,7 @@ from kvserve.speculative.proposers import Drafter
 log = logging.getLogger(__name__)
 
 _FINISH = {"stop": SequenceStatus.FINISHED_STOPPED, "length": SequenceStatus.FINISHED_LENGTH}
+REASONING_TAIL = 16  # prompt tokens decoded to see whether the template opened a <think> block
 
 
 class LLMEngine:
@@ -91,6 +94,10 @@ class LLMEngine:
         self.scheduler = builder.scheduler(cfg.scheduler_config, cfg.speculative_config, self.block_manager,
                                            self.max_model_len)
         self.sampler = Sampler(self.tokenizer.eos_token_ids)
+        # The token ids of </think> (one special token in Qwen3's and DeepSeek-R1's vocabularies)
+        # under a reasoning parser: where a thinking request's grammar starts.
+        self._reasoning_end = (self.tokenizer.encode(REASONING_END, add_special_tokens=False) or None
+                               if cfg.reasoning_parser is not None else None)
         self.grammars = GrammarCompiles(GrammarBackend(self.tokenizer, mc.vocab_size))
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         if graphs:
@@ -174,6 +181,11 @@ class LLMEngine:
                 self._start_constrained(req, compiled)
         return request_id
 
+    @property
+    def reasoning_parser(self) -> str | None:
+        """The reasoning format the engine starts thinking requests' grammars after (None: none)."""
+        return self.config.reasoning_parser
+
     def _engine_seed(self, params: SamplingParams) -> int | None:
         """The next seed of the engine's stream for a request without its own (drawn for sampled
         and greedy requests alike, so a seed depends only on the request's place in arrival order)."""
@@ -184,8 +196,14 @@ class LLMEngine:
         """Each sample gets its own matcher of the request's grammar, then the request is
         scheduled. n > 1: only the first sample is scheduled; the others fork from it once the
         prompt is computed, sharing its blocks by reference (copy-on-write on their first append)."""
+        reasons = self._reasoning_end is not None and opens_reasoning(
+            self.tokenizer.decode(req.seqs[0].prompt_token_ids[-REASONING_TAIL:], skip_special_tokens=False))
         for s in req.seqs:
-            s.grammar = self.grammars.backend.new_state(compiled)
+            state = self.grammars.backend.new_state(compiled)
+            if reasons:  # the model thinks first; its grammar starts after </think>
+                s.reasoning_grammar = state
+            else:
+                s.grammar = state
         self.scheduler.add(req.seqs[0])
 
     def _admit_compiled(self, touched: set[str]) -> None:
@@ -394,8 +412,8 @@ class LLMEngine:
         k = self.config.num_scheduler_steps
         if k == 1:
             return self.spec_decoder.budget(seq, self.max_model_len)
-        if not self.sampler.greedy_only([step_batch.sampling_request(seq)]):
-            return 0
+        if seq.reasoning_grammar is not None or not self.sampler.greedy_only([step_batch.sampling_request(seq)]):
+            return 0  # (a run past </think> would take tokens its grammar never masked)
         return seq.lookahead_limit(k - 1, self.max_model_len)
 
     def _take_hidden(self, batch: step_batch.StepBatch, hidden: torch.Tensor, touched: set[str]) -> None:
@@ -488,6 +506,8 @@ class LLMEngine:
         if seq.grammar is not None and not seq.grammar.accept(token):  # the mask should make this impossible
             raise RuntimeError(f"token {token} is not allowed by the request's grammar")
         seq.append_token(token, now)
+        if seq.reasoning_grammar is not None and seq.output_token_ids[-len(self._reasoning_end):] == self._reasoning_end:
+            seq.grammar, seq.reasoning_grammar = seq.reasoning_grammar, None  # the block closed: the answer follows
         seq.max_spec_tokens = self._lookahead(seq)
         if seq.params.logprobs is not None:
             seq.logprobs.append(logprob)

@@ -38,7 +38,6 @@ from kvserve.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from kvserve.server.reasoning import PARSERS as REASONING_PARSERS
 from kvserve.server.state import ServerState
 from kvserve.server.tokenize import detokenize, tokenize, tokenizer_info
 from kvserve.server.tool_parsers import PARSERS, parser_for_template
@@ -56,13 +55,11 @@ def build_app(engine: AsyncLLMEngine | LLMEngine, served_model_name: str, api_ke
               max_queue: int = DEFAULT_MAX_QUEUE, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               limits: RequestLimits | None = None, protect_metrics: bool = False,
               allowed_hosts: list[str] | None = None, body_timeout: float = 60.0,
-              chat_template: TemplateSource | None = None, tool_call_parser: str | None = None,
-              reasoning_parser: str | None = None) -> FastAPI:
+              chat_template: TemplateSource | None = None, tool_call_parser: str | None = None) -> FastAPI:
     """`chat_template`: the template chats render with instead of the model's (--chat-template).
     `tool_call_parser`: the format of the model's tool calls for tool_choice "auto" (hermes,
     llama3_json); None: the one its chat template defines, if any; "none": no auto tool calls.
-    `reasoning_parser`: the format of the model's reasoning (deepseek_r1, qwen3: <think> blocks),
-    which chat responses carry apart from the content; None: none.
+    The engine's `reasoning_parser` (EngineConfig) also sets apart the reasoning of chat responses.
     `engine` may also be a replica set (kvserve/server/replicas/pool.py), which offers what the
     routes use of an AsyncLLMEngine."""
     async_engine = AsyncLLMEngine(engine) if isinstance(engine, LLMEngine) else engine
@@ -75,7 +72,7 @@ def build_app(engine: AsyncLLMEngine | LLMEngine, served_model_name: str, api_ke
                         metrics, api_key, max_queue, max_body_bytes, limits or RequestLimits(),
                         protect_ops=protect_metrics, body_timeout=body_timeout,
                         tool_parser=resolve_tool_parser(tool_call_parser, template),
-                        reasoning_parser=resolve_reasoning_parser(reasoning_parser))
+                        reasoning_parser=_reasoning_parser(core))
     if protect_metrics and api_key is None:
         raise ValueError("--protect-metrics needs an API key (--api-key, --api-key-file or KVSERVE_API_KEY)")
 
@@ -110,12 +107,11 @@ def resolve_tool_parser(name: str | None, template: ChatTemplate) -> str | None:
     return found
 
 
-def resolve_reasoning_parser(name: str | None) -> str | None:
-    """The reasoning parser named (None: none), checked."""
-    if name is not None and name not in REASONING_PARSERS:
-        raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, got {name!r}")
+def _reasoning_parser(core) -> str | None:
+    """The engine's reasoning format, which chat responses set apart (logged)."""
+    name = getattr(core, "reasoning_parser", None)
     if name is not None:
-        log.info("reasoning: <think> blocks (%s) go to the responses' reasoning field", name)
+        log.info("reasoning: <think> blocks (%s) go to chat responses' reasoning field", name)
     return name
 
 

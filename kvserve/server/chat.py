@@ -34,7 +34,7 @@ from kvserve.server.protocol import (
     ToolCallDelta,
     Usage,
 )
-from kvserve.server.reasoning import ReasoningSplitter, opens_reasoning
+from kvserve.reasoning import ReasoningSplitter, opens_reasoning
 from kvserve.server.state import Job, ServerState
 from kvserve.server.streams import DONE, SSEResponse, sse, unless_disconnected
 from kvserve.server.structured import compile_constraint, constraint_of
@@ -80,10 +80,9 @@ async def create_chat_completion(state: ServerState, request: Request, req: Chat
     check_context(len(ids), params.max_tokens, state.max_model_len, "messages", req.max_tokens_field)
     params.max_tokens = state.limits.default_max_tokens(params.max_tokens, len(ids), state.max_model_len,
                                                         params.min_tokens)
-    # A constrained output is shaped by its grammar from the first token: it starts in reasoning
-    # only by writing <think> itself, whatever the template opened.
+    # (where the prompt opens a block, the engine starts a constrained request's grammar after it)
     job = _Job(state, req, params, arrival, tools=tools, reasoning=state.reasoning_parser is not None,
-               opens_reasoning=constraint is None and opens_reasoning(prompt))
+               opens_reasoning=opens_reasoning(prompt))
     try:
         stream = state.engine.generate(ids, params, job.id, job.arrival_time, cache_salt=req.cache_salt,
                                        deadline=job.arrival_time + state.limits.request_timeout)

@@ -52,7 +52,6 @@ class ServeOptions:
     log_level: str = "info"
     chat_template: str | None = None  # a Jinja file, or the template itself, instead of the model's
     tool_call_parser: str | None = None  # None: the chat template's format; "none": no auto tool calls
-    reasoning_parser: str | None = None  # None: no reasoning apart from the content
     data_parallel_size: int = 1  # > 1: that many engine replicas on Ray Serve behind a router
     router: str = "prefix"  # with replicas: prefix, round_robin or pow2
     ray_address: str | None = None  # with replicas: an existing Ray cluster (None: a local one)
@@ -110,7 +109,7 @@ def serve(config: EngineConfig, opts: ServeOptions) -> int:
     app = build_app(async_engine, name, api_key=opts.api_key, max_queue=opts.max_queue,
                     max_body_bytes=opts.max_body_bytes, limits=opts.limits, protect_metrics=opts.protect_metrics,
                     allowed_hosts=opts.allowed_hosts, body_timeout=opts.body_timeout, chat_template=template,
-                    tool_call_parser=opts.tool_call_parser, reasoning_parser=opts.reasoning_parser)
+                    tool_call_parser=opts.tool_call_parser)
     uv_config = uvicorn_config(app, opts)
     server = DrainingServer(uv_config, app.state.kvserve, opts.shutdown_timeout)
     log.info("serving %r on http://%s:%d (OpenAI API at /v1)", name, opts.host, opts.port)
@@ -131,7 +130,7 @@ def _serve_replicas(config: EngineConfig, opts: ServeOptions, template, name: st
         app = build_app(replicas, name, api_key=opts.api_key, max_queue=opts.max_queue,
                         max_body_bytes=opts.max_body_bytes, limits=opts.limits, protect_metrics=opts.protect_metrics,
                         allowed_hosts=opts.allowed_hosts, body_timeout=opts.body_timeout, chat_template=template,
-                        tool_call_parser=opts.tool_call_parser, reasoning_parser=opts.reasoning_parser)
+                        tool_call_parser=opts.tool_call_parser)
         server = DrainingServer(uvicorn_config(app, opts), app.state.kvserve, opts.shutdown_timeout)
         log.info("serving %r on http://%s:%d with %d replicas (router %s)", name, opts.host, opts.port,
                  opts.data_parallel_size, opts.router)

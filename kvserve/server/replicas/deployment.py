@@ -50,6 +50,7 @@ class ReplicaInfo:
     incarnation: str  # new after every (re)start: the router forgets what the old one held
     pid: int
     actor_name: str | None
+    reasoning_parser: str | None = None  # the engines' (EngineConfig.reasoning_parser)
 
 
 class EngineReplica:
@@ -67,7 +68,7 @@ class EngineReplica:
         return ReplicaInfo(core.tokenizer, core.model_config, core.max_model_len, core.model_config.vocab_size,
                            core.config.block_size, core.num_blocks,
                            core.num_blocks // max(1, core.block_manager.num_groups), self.incarnation,
-                           os.getpid(), _actor_name())
+                           os.getpid(), _actor_name(), core.config.reasoning_parser)
 
     def stats(self) -> dict:
         return {**self.engine.stats(), "incarnation": self.incarnation, "healthy": self.engine.healthy,

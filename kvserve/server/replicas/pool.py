@@ -93,6 +93,7 @@ class FrontEngine:
         self.tokenizer = info.tokenizer
         self.model_config = info.model_config
         self.max_model_len = info.max_model_len
+        self.reasoning_parser = info.reasoning_parser
         self._vocab_size = info.vocab_size
         self.clock = time.perf_counter  # CLOCK_MONOTONIC: the one a replica on this host reads too
 
