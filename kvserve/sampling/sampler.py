@@ -349,15 +349,19 @@ class Sampler:
         each row's k and its touched tokens, at most max_touched in all (each costs an exact
         logit), so that the engine may compute only those logits (kvserve/accel/greedy_head.py);
         else None."""
-        ks: list[int] = []
-        touched: list[list[int]] = []
-        budget = max_touched
-        for r in requests:
+        ks = []
+        for r in requests:  # the cheap checks first: most steps that fail them fail here
             if r.grammar is not None or r.params.logprobs is not None:
                 return None
             k = 1 if r.params.greedy else r.params.top_k
             if not 0 < k <= min(max_k, vocab_size - 1):
                 return None
+            ks.append(k)
+        if all(_plain_greedy(r) for r in requests):
+            return None
+        touched: list[list[int]] = []
+        budget = max_touched
+        for r in requests:
             row: list[int] = []
             if _needs_penalties(r):
                 # (a bound first: the distinct tokens of a long prompt or output are not counted)
@@ -370,10 +374,7 @@ class Sampler:
                 budget -= len(row)
                 if budget < 0:
                     return None
-            ks.append(k)
             touched.append(row)
-        if all(_plain_greedy(r) for r in requests):
-            return None
         return ScreenedRows(ks, touched)
 
     def __call__(self, logits: torch.Tensor, requests: list[SamplingRequest]) -> SamplerOutput:

@@ -109,7 +109,7 @@ def resolve_tool_parser(name: str | None, template: ChatTemplate) -> str | None:
 
 def _reasoning_parser(core) -> str | None:
     """The engine's reasoning format, which chat responses set apart (logged)."""
-    name = getattr(core, "reasoning_parser", None)
+    name = core.reasoning_parser
     if name is not None:
         log.info("reasoning: <think> blocks (%s) go to chat responses' reasoning field", name)
     return name
