@@ -1,14 +1,15 @@
 """What a JSON schema costs: output tok/s of one request and of 16 at once, with and without a
-structured-output constraint, on the bundled Gemma 3 270M (offline API, the engine's defaults).
+structured-output constraint, on the bundled Gemma 3 270M (offline API, the engine's defaults),
+and what prompt-lookup drafts (`--speculative ngram`) give the constrained requests back.
 
 Plain requests run to the same number of tokens as the constrained ones produced (ignore_eos), so
-both columns generate alike; the schema asks for a list of --items records (10: about 200 tokens). Greedy
-rows lose the int8 head screen under a constraint (the mask needs the full logits), so greedy and
-temperature-1 sampling are reported apart. Also: the schema's first compilation (then cached).
-Median of --repeats runs (interleaved).
+every column generates alike; the schema asks for a list of --items records (10: about 200 tokens).
+Greedy and temperature-1 sampling are reported apart (greedy rows take the head's screen under the
+grammar's mask, sampled rows full logits). The three engines share one loaded model and run in
+turns; medians of --repeats runs. Also: the schema's first compilation (then cached).
 
     .venv/bin/python benchmarks/structured_cost.py [--repeats 3] [--items 10] [--batch 1,16]
-        [--temperature 0,1] [--out results/structured_cost.json]
+        [--temperature 0,1] [--speculative-k 4] [--out results/structured_cost.json]
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine  # noqa: E402
 
 from kvserve import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
+from kvserve.loading import load_model  # noqa: E402
+from kvserve.loading.loader import default_model_path  # noqa: E402
 
 PROMPT = "<bos><start_of_turn>user\nList products of a hardware store as JSON.<end_of_turn>\n<start_of_turn>model\n"
 
@@ -58,10 +61,15 @@ def main() -> None:
     p.add_argument("--items", type=int, default=10, help="records in the schema's list (~20 tokens each)")
     p.add_argument("--batch", default="1,16", help="comma list of request counts run together")
     p.add_argument("--temperature", default="0,1", help="comma list")
+    p.add_argument("--speculative-k", type=int, default=4,
+                   help="n-gram draft tokens for the third engine (0: no speculative column)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     so = StructuredOutputsParams(json=schema(args.items))
-    llm = LLM(kv_cache_gib=1.0)
+    loaded = load_model(default_model_path())
+    llm = LLM(loaded=loaded, kv_cache_gib=1.0)
+    spec = LLM(loaded=loaded, kv_cache_gib=1.0, speculative="ngram",
+               num_speculative_tokens=args.speculative_k) if args.speculative_k else None
     backend = llm.engine.grammars.backend
     t = time.perf_counter()
     backend.compile(so)  # the vocabulary's xgrammar view, then the schema
@@ -69,21 +77,30 @@ def main() -> None:
     t = time.perf_counter()
     backend.compile(StructuredOutputsParams(json=schema(args.items + 1)))
     compile_s = time.perf_counter() - t
-    run(llm, 2, 1.0, so, 40 * args.items)  # warm-up
+    for engine in (llm, spec) if spec else (llm,):
+        run(engine, 2, 1.0, so, 40 * args.items)  # warm-up (and the schema compiled for each engine)
     rows = []
     for batch in (int(b) for b in args.batch.split(",")):
         for temperature in (float(x) for x in args.temperature.split(",")):
-            with_s, without_s = [], []
+            with_s, without_s, spec_s = [], [], []
             for _ in range(args.repeats):
                 tps, counts = run(llm, batch, temperature, so, 40 * args.items)
                 with_s.append(tps)
+                if spec is not None:
+                    spec_s.append(run(spec, batch, temperature, so, 40 * args.items)[0])
                 without_s.append(run(llm, batch, temperature, None, counts)[0])
-            rows.append({"batch": batch, "temperature": temperature, "tok_s_plain": statistics.median(without_s),
-                         "tok_s_json_schema": statistics.median(with_s),
-                         "ratio": statistics.median(with_s) / statistics.median(without_s)})
+            row = {"batch": batch, "temperature": temperature, "tok_s_plain": statistics.median(without_s),
+                   "tok_s_json_schema": statistics.median(with_s),
+                   "ratio": statistics.median(with_s) / statistics.median(without_s)}
+            if spec is not None:
+                row["tok_s_json_schema_ngram"] = statistics.median(spec_s)
+                row["ngram_vs_schema"] = statistics.median(spec_s) / statistics.median(with_s)
+            rows.append(row)
             print(rows[-1], file=sys.stderr, flush=True)
     result = {"machine": machine(), "model": "gemma-3-270m (bundled, fp32)", "repeats": args.repeats,
-              "items": args.items, "first_compile_s": first_compile_s, "compile_s": compile_s, "rows": rows}
+              "items": args.items, "speculative_k": args.speculative_k,
+              "spec_stats": {k: v for k, v in spec.engine.stats().items() if k.startswith("spec")} if spec else None,
+              "first_compile_s": first_compile_s, "compile_s": compile_s, "rows": rows}
     print(json.dumps(result, indent=1))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -241,17 +241,22 @@ def test_the_engine_starts_a_thinking_requests_grammar_after_the_end_tag(tmp_pat
     from kvserve.engine.llm_engine import LLMEngine
 
     monkeypatch.setattr(LLMEngine, "_cuda_graphs_apply", lambda self: self._cuda_graphs_fit())  # the CPU stand-in
-    multi = LLM(loaded=load_model(tmp_path), kv_cache_gib=0.05, reasoning_parser="qwen3", num_scheduler_steps=4)
+    # Nor do drafts: their verification past </think> would not be under the grammar.
     greedy = SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="ok"))
-    seq = None
-    rid = multi.engine.add_request(prompt, greedy)
-    for _ in range(200):
-        multi.engine.step()
-        seq = multi.engine.requests[rid].seqs[0]
-        if seq.reasoning_grammar is not None:
-            break
-        time.sleep(0.01)  # (the grammar compiles beside the step loop)
-    assert seq.reasoning_grammar is not None and seq.grammar is None
-    assert multi.engine._lookahead(seq) == 0
-    seq.reasoning_grammar = None  # as a plain greedy request: a run of 4
-    assert multi.engine._lookahead(seq) == 3
+    for cfg in (dict(num_scheduler_steps=4), dict(speculative="ngram", num_speculative_tokens=3)):
+        multi = LLM(loaded=load_model(tmp_path), kv_cache_gib=0.05, reasoning_parser="qwen3", **cfg)
+        seq = None
+        rid = multi.engine.add_request(prompt, greedy)
+        for _ in range(200):
+            multi.engine.step()
+            seq = multi.engine.requests[rid].seqs[0]
+            if seq.reasoning_grammar is not None:
+                break
+            time.sleep(0.01)  # (the grammar compiles beside the step loop)
+        assert seq.reasoning_grammar is not None and seq.grammar is None
+        assert multi.engine._lookahead(seq) == 0
+        if "speculative" in cfg:  # under its grammar, after </think>: drafts
+            seq.grammar, seq.reasoning_grammar = seq.reasoning_grammar, None
+        else:  # as a plain greedy request: a run of 4
+            seq.reasoning_grammar = None
+        assert multi.engine._lookahead(seq) == 3

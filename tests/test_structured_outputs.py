@@ -278,17 +278,6 @@ def test_bad_constraint_is_a_value_error_at_add_request(gemma_llm):
     assert not gemma_llm.engine.has_unfinished()
 
 
-def test_speculative_engine_does_not_draft_constrained_rows(gemma):
-    llm = LLM(loaded=gemma, kv_cache_gib=0.1, speculative="ngram", num_speculative_tokens=3)
-    regex = r"(ab){2,9}c"
-    out = llm.generate("abababababab", SamplingParams(temperature=0, max_tokens=24,
-                                                      structured_outputs=StructuredOutputsParams(regex=regex)))[0]
-    assert re.fullmatch(regex, out.text)
-    assert llm.engine.spec_stats["num_draft_tokens"] == 0
-    llm.generate("abababababab", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    assert llm.engine.spec_stats["num_draft_tokens"] > 0  # plain rows still draft
-
-
 # ------------------------------------------------------------------ the server, through the openai client
 MODEL = "gemma-test"
 CHAT, COMP = "/v1/chat/completions", "/v1/completions"

@@ -345,7 +345,8 @@ class LLMEngine:
             tokens, logits = self.runner.execute_greedy(batch.inputs)  # tokens without the full logits
             picked = None if tokens is None else tokens.tolist()
         elif self.runner.has_greedy_screen and (allowed := step_batch.argmax_masks(
-                batch, self.sampler, self.runner.model.config.vocab_size)) is not None:
+                batch, self.sampler, self.runner.model.config.vocab_size,
+                self.spec_decoder.argmax_masks(batch.spec, drafts))) is not None:
             tokens, logits = self.runner.execute_greedy(batch.inputs, allowed)  # greedy under grammars
             picked = None if tokens is None else tokens.tolist()
         elif (screened := step_batch.top_k_rows(batch, self.sampler, self.runner.model.config.vocab_size,

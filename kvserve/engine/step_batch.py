@@ -108,22 +108,39 @@ def _hidden_rows(b: StepBatch, seq: Sequence, start: int, end: int) -> int:
     return count
 
 
+def _all_rows_sampled(b: StepBatch) -> bool:
+    """Every logit row of the step is a sampler's row or a drafted item's, each once."""
+    spec_rows = [r + j for it, r in b.spec for j in range(it.num_logits)]
+    return bool(b.num_rows) and sorted(b.rows + spec_rows) == list(range(b.num_rows))
+
+
 def argmax_only(b: StepBatch, sampler: Sampler) -> bool:
     """Every logit row of the step wants only its argmax: plain greedy sampling, or the
     verification of a plain greedy sequence's drafts (no logprobs, penalties or min_tokens)."""
-    spec_rows = [r + j for it, r in b.spec for j in range(it.num_logits)]
-    if not b.num_rows or sorted(b.rows + spec_rows) != list(range(b.num_rows)):
+    if not _all_rows_sampled(b):
         return False
     seqs = b.samplers + [it.seq for it, _ in b.spec]
     return sampler.greedy_only([sampling_request(s) for s in seqs])
 
 
-def argmax_masks(b: StepBatch, sampler: Sampler, vocab_size: int) -> torch.Tensor | None:
-    """A step without drafts whose logit rows all want only their argmax, some under a grammar:
-    each row's allowed tokens ([rows, ceil(V / 32)] int32, in row order); else None."""
-    if b.spec or not any(s.grammar is not None for s in b.samplers) or b.rows != list(range(b.num_rows)):
-        return None  # (first the cheap tests: most steps hold no constrained row)
-    return sampler.greedy_masks([sampling_request(s) for s in b.samplers], vocab_size)
+def argmax_masks(b: StepBatch, sampler: Sampler, vocab_size: int,
+                 draft_masks: list[tuple[int, torch.Tensor]]) -> torch.Tensor | None:
+    """A step whose logit rows all want only their argmax, some under a grammar: each row's
+    allowed tokens ([rows, ceil(V / 32)] int32, in row order; a drafted item's rows take its
+    draft's per-position masks, `draft_masks`: (first row, masks)); else None."""
+    if not draft_masks and not any(s.grammar is not None for s in b.samplers):
+        return None  # (first the cheap test: most steps hold no constrained row)
+    if not _all_rows_sampled(b):
+        return None
+    first = sampler.greedy_masks([sampling_request(s) for s in b.samplers + [it.seq for it, _ in b.spec]],
+                                 vocab_size)
+    if first is None:
+        return None
+    allowed = torch.full((b.num_rows, first.shape[1]), -1, dtype=torch.int32)
+    allowed[b.rows] = first[:len(b.samplers)]
+    for row, masks in draft_masks:
+        allowed[row:row + masks.shape[0]] = masks
+    return allowed
 
 
 def top_k_rows(b: StepBatch, sampler: Sampler, vocab_size: int, max_k: int, max_rows: int, max_touched: int

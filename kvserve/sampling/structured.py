@@ -184,6 +184,28 @@ class GrammarState:
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
+    def draft_masks(self, tokens: Sequence[int], vocab_size: int) -> tuple[torch.Tensor, int]:
+        """The tokens allowed at each position of a speculative draft, and how many of its
+        leading tokens the grammar accepts (n). Masks: [len(tokens) + 1, ceil(V / 32)] int32, row
+        j the mask after drafts 0..j-1. Rows past n allow every token: the mask of row n forbids
+        draft n, so no verification keeps it and the rows after it are never read (nor the rows
+        after a stop token, where the sequence ends). The matcher ends where it started."""
+        m = self.matcher
+        bitmask = torch.full(_xgr().get_bitmask_shape(len(tokens) + 1, vocab_size), -1, dtype=torch.int32)
+        n = 0
+        try:
+            m.fill_next_token_bitmask(bitmask, 0)
+            for token in tokens:
+                if m.is_terminated() or not m.accept_token(token):
+                    break
+                n += 1
+                if not m.is_terminated():
+                    m.fill_next_token_bitmask(bitmask, n)
+        finally:
+            if n:
+                m.rollback(n)
+        return bitmask, n
+
 
 class GrammarBackend:
     """Compiles constraints for one tokenizer (cached by constraint) and makes matchers.

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve import kernels
 from kvserve.accel.prepare import prepare_model
 from kvserve.config import EngineConfig
 from kvserve.engine.model_runner import ModelRunner
@@ -48,10 +49,11 @@ class DraftTarget:
 
 
 def _never_drafts(p: SamplingParams) -> bool:
-    """Penalties depend on every token before a position, and a grammar's mask on its state
-    after them: such rows decode plainly (drafts would need a per-position mask to verify). A
-    bias would too: verification scores drafts on the raw logits."""
-    return penalizes(p) or p.structured_outputs is not None or bool(p.logit_bias)
+    """Penalties depend on every token before a position: such rows decode plainly (drafts
+    would need each position's penalties to verify). A bias would too: verification scores
+    drafts on the raw logits. (A grammar's mask also depends on the tokens before a position:
+    `propose` walks the matcher over the draft for each position's mask.)"""
+    return penalizes(p) or bool(p.logit_bias)
 
 
 class SpeculativeDecoder:
@@ -61,6 +63,7 @@ class SpeculativeDecoder:
         self.config = cfg
         self.draft_runner: ModelRunner | None = None  # set when the draft has a KV pool of its own
         self.stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+        self.vocab_size = target.loaded.model.config.vocab_size
         self.drafter: Drafter | None = self._make_drafter(target)
 
     # ---------------------------------------------------------------- construction
@@ -138,8 +141,8 @@ class SpeculativeDecoder:
     def budget(self, seq: Sequence, max_model_len: int) -> int:
         """Draft tokens seq may be verified with next step: never more than it may still emit."""
         p = seq.params
-        if self.drafter is None or _never_drafts(p):
-            return 0
+        if self.drafter is None or _never_drafts(p) or seq.reasoning_grammar is not None:
+            return 0  # (drafts past </think> would be verified without the grammar's mask)
         if len(seq.output_token_ids) < p.min_tokens:
             return 0  # eos is masked per position until then: plain sampling handles it
         return seq.lookahead_limit(self.config.speculative_config.num_speculative_tokens, max_model_len)
@@ -152,7 +155,10 @@ class SpeculativeDecoder:
 
     def propose(self, sched: SchedulerOutput) -> dict[int, Draft]:
         """Draft tokens for the scheduled decodes with reserved slots, keyed by id(item); shrinks
-        each item to what was proposed."""
+        each item to what was proposed. A constrained sequence's draft carries each position's
+        grammar mask; a point-mass draft stops before its first token the grammar forbids (that
+        token could not be kept, and the row it would be verified on samples as plain decoding
+        does: its residual is the masked distribution itself)."""
         items = [it for it in sched.scheduled if it.num_spec]
         if not items:
             return {}
@@ -160,6 +166,11 @@ class SpeculativeDecoder:
         out = {}
         for it, d in zip(items, drafts):
             del d.token_ids[it.num_spec:]
+            if it.seq.grammar is not None:
+                d.allowed, valid = it.seq.grammar.draft_masks(d.token_ids, self.vocab_size)
+                if d.probs is None and valid < len(d.token_ids):
+                    del d.token_ids[valid:]
+                    d.allowed = d.allowed[:valid + 1]
             it.num_spec = len(d.token_ids)
             it.num_tokens = 1 + it.num_spec
             out[id(it)] = d
@@ -174,7 +185,8 @@ class SpeculativeDecoder:
         rows = torch.cat([torch.arange(r, r + it.num_logits) for it, r in spec]).to(logits.device)
         target = logits[rows]
         ds = [drafts[id(it)] for it in items]
-        res = rejection_sample(target, [d.token_ids for d in ds], [d.probs for d in ds],
+        scored = _under_grammars(target, items, ds)
+        res = rejection_sample(scored, [d.token_ids for d in ds], [d.probs for d in ds],
                                [it.seq.params for it in items], [it.seq.generator for it in items])
         out, offset = [], 0
         for it, tokens, accepted in zip(items, res.token_ids, res.num_accepted):
@@ -197,6 +209,12 @@ class SpeculativeDecoder:
             out.append((it.seq, tokens, None))
         return out
 
+    def argmax_masks(self, spec: list[tuple[ScheduledSeq, int]], drafts: dict[int, Draft]
+                     ) -> list[tuple[int, torch.Tensor]]:
+        """(first row, masks) of each drafted item under a grammar: its positions' allowed tokens
+        for a greedy verification through the screen (`ModelRunner.execute_greedy`)."""
+        return [(row, d.allowed) for it, row in spec if (d := drafts[id(it)]).allowed is not None]
+
     @staticmethod
     def trim_draft_caches(spec: list[tuple[ScheduledSeq, int]]) -> None:
         """After the scheduler's update: draft K/V past the accepted tokens is stale."""
@@ -211,3 +229,23 @@ class SpeculativeDecoder:
         st["num_drafts"] += 1
         st["num_draft_tokens"] += item.num_spec
         st["num_accepted_tokens"] += accepted
+
+
+def _under_grammars(target: torch.Tensor, items: list[ScheduledSeq], drafts: list[Draft]) -> torch.Tensor:
+    """target [sum(k_i + 1), V] (a gathered copy of the step's logits) with each constrained
+    item's rows under its positions' grammar masks, as the sampler masks a plain row. Logprobs
+    stay the raw logits', so the rows are copied first when a constrained item reports them."""
+    rows, masks, off = [], [], 0
+    for it, d in zip(items, drafts):
+        if d.allowed is not None:
+            rows += range(off, off + it.num_logits)
+            masks.append(d.allowed)
+        off += it.num_logits
+    if not rows:
+        return target
+    if any(d.allowed is not None and it.seq.params.logprobs is not None for it, d in zip(items, drafts)):
+        target = target.clone()
+    bitmask = torch.full((target.shape[0], masks[0].shape[1]), -1, dtype=torch.int32)
+    bitmask[rows] = torch.cat(masks)
+    kernels.apply_token_bitmask(target, bitmask, rows)
+    return target

@@ -29,6 +29,9 @@ from kvserve.speculative.rejection import processed_probs, sample_probs
 class Draft:
     token_ids: list[int]
     probs: torch.Tensor | None = None  # [len(token_ids), V] fp32 draft distribution; None = point mass
+    # Under a grammar: [len(token_ids) + 1, ceil(V / 32)] int32, the tokens allowed at each
+    # verified position (`GrammarState.draft_masks`); None = every token.
+    allowed: torch.Tensor | None = None
 
 
 class Drafter(Protocol):
