@@ -318,6 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--output-len", type=positive_int, default=96)
     sp.add_argument("--temperature", type=float, default=0.0)
     sp.add_argument("--top-p", type=float, default=1.0)
+    sp.add_argument("--top-k", type=int, default=0, help="0 = off")
+    sp.add_argument("--repetition-penalty", type=float, default=1.0)
     sp.add_argument("--rounds", type=positive_int, default=2, help="interleaved rounds; medians are reported")
     sp.add_argument("--speculative-model", default=None, help="draft model for --proposers draft")
     sp.add_argument("--kv-cache-gib", type=float, default=0.5, help="KV pool per engine (one per configuration)")

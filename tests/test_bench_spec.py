@@ -15,7 +15,7 @@ def test_bench_spec_runs_side_by_side_and_writes_json_and_plot(tmp_path, capsys)
     make_model("llama", tmp_path / "tiny")
     out, png = tmp_path / "spec.json", tmp_path / "spec.png"
     rc = main(["bench", "spec", "--model", str(tmp_path / "tiny"), "--proposers", "ngram,self", "--k", "2",
-               "--batch", "1,2", "--num-prompts", "2", "--doc-words", "20", "--output-len", "6", "--rounds", "2", "--kv-cache-gib", "0.01",
+               "--batch", "1,2", "--num-prompts", "2", "--doc-words", "20", "--output-len", "6", "--rounds", "2", "--kv-cache-gib", "0.01", "--top-k", "5",
                "--dataset-path", str(WIKITEXT / "wiki.test.raw"), "--json", str(out), "--plot", str(png)])
     assert rc == 0
     runs = json.loads(out.read_text())
@@ -27,7 +27,7 @@ def test_bench_spec_runs_side_by_side_and_writes_json_and_plot(tmp_path, capsys)
             assert 0.0 <= r["acceptance_rate"] <= 1.0 and 1.0 <= r["tokens_per_step"] <= r["k"] + 1
     assert png.stat().st_size > 1000
     table = capsys.readouterr().out
-    assert "| 1 | plain | - |" in table and "speedup" in table
+    assert "| 1 | plain | - |" in table and "speedup" in table and "top-k 5, repetition penalty 1.0" in table
 
 
 def test_speedup_is_relative_to_plain_at_the_same_batch():
@@ -49,6 +49,7 @@ def test_prompts_are_grounded_in_their_document():
     (["--proposers", "draft"], "--speculative-model"),
     (["--workload", "chat"], "--workload"),
     (["--dataset-path", "/nonexistent/wiki.txt"], "--dataset-path"),
+    (["--repetition-penalty", "0"], "repetition_penalty"),
 ])
 def test_bad_arguments_name_the_flag(args, field, capsys):
     assert main(["bench", "spec", *args]) == 2

@@ -37,7 +37,7 @@ def _mixed_params() -> list[SamplingParams]:
         SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2),
         SamplingParams(temperature=0, max_tokens=23, n=2),
         SamplingParams(temperature=0, max_tokens=30, stop=[" of the"]),
-        SamplingParams(temperature=0, max_tokens=17, repetition_penalty=1.3),  # penalties: decodes plainly
+        SamplingParams(temperature=0, max_tokens=17, repetition_penalty=1.3),  # penalties at each position
     ]
 
 

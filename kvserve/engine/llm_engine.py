@@ -349,7 +349,7 @@ class LLMEngine:
                 self.spec_decoder.argmax_masks(batch.spec, drafts))) is not None:
             tokens, logits = self.runner.execute_greedy(batch.inputs, allowed)  # greedy under grammars
             picked = None if tokens is None else tokens.tolist()
-        elif (screened := step_batch.top_k_rows(batch, self.sampler, self.runner.model.config.vocab_size,
+        elif (screened := step_batch.top_k_rows(batch, self.sampler, self.runner.model.config.vocab_size, drafts,
                                                 *self.runner.screen_top_k)) is not None:
             # only the rows' few largest logits and those their penalties change
             logits = self.runner.execute_top_k(batch.inputs, screened.top_k, screened.touched)

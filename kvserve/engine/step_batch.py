@@ -15,6 +15,7 @@ import torch
 from kvserve.engine.model_runner import StepInput
 from kvserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from kvserve.sampling import Sampler, SamplerOutput, SamplingRequest, ScreenedRows
+from kvserve.sampling.sampler import penalizes
 from kvserve.sequence import Sequence
 from kvserve.speculative.proposers import Draft
 
@@ -24,6 +25,17 @@ log = logging.getLogger(__name__)
 def sampling_request(seq: Sequence) -> SamplingRequest:
     """The sampler's view of one sequence's logits row."""
     return SamplingRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator, seq.grammar)
+
+
+def draft_requests(seq: Sequence, draft: list[int]) -> list[SamplingRequest]:
+    """The sampler's view of a drafted sequence's len(draft) + 1 verification rows: row j
+    follows drafts 0..j-1, which its penalties and min_tokens count as output."""
+    p = seq.params
+    if not (penalizes(p) or p.min_tokens > len(seq.output_token_ids)):
+        return [sampling_request(seq)] * (len(draft) + 1)  # every row alike
+    out = list(seq.output_token_ids)
+    return [SamplingRequest(p, seq.prompt_token_ids, out + draft[:j], seq.generator, seq.grammar)
+            for j in range(len(draft) + 1)]
 
 
 @dataclass
@@ -143,14 +155,20 @@ def argmax_masks(b: StepBatch, sampler: Sampler, vocab_size: int,
     return allowed
 
 
-def top_k_rows(b: StepBatch, sampler: Sampler, vocab_size: int, max_k: int, max_rows: int, max_touched: int
-               ) -> ScreenedRows | None:
-    """A step of 1 .. max_rows logit rows, without drafts or hidden rows, whose rows all draw from
-    their few largest logits (`Sampler.screened_top_k`, k <= max_k, at most max_touched tokens
-    changed by penalties): each row's k and touched tokens, in row order; else None."""
-    if not 0 < b.num_rows <= max_rows or b.spec or b.hidden or b.rows != list(range(b.num_rows)):
+def top_k_rows(b: StepBatch, sampler: Sampler, vocab_size: int, drafts: dict[int, Draft], max_k: int,
+               max_rows: int, max_touched: int) -> ScreenedRows | None:
+    """A step of 1 .. max_rows logit rows, without hidden rows, whose rows all draw from their few
+    largest logits (`Sampler.screened_top_k`, k <= max_k, at most max_touched tokens changed by
+    penalties; a drafted item's rows count the drafts before them): each row's k and touched
+    tokens, in row order; else None."""
+    if not 0 < b.num_rows <= max_rows or b.hidden or not _all_rows_sampled(b):
         return None
-    return sampler.screened_top_k([sampling_request(s) for s in b.samplers], vocab_size, max_k, max_touched)
+    requests: list[SamplingRequest] = [None] * b.num_rows  # type: ignore[list-item]
+    for row, seq in zip(b.rows, b.samplers):
+        requests[row] = sampling_request(seq)
+    for it, row in b.spec:
+        requests[row:row + it.num_logits] = draft_requests(it.seq, drafts[id(it)].token_ids)
+    return sampler.screened_top_k(requests, vocab_size, max_k, max_touched)
 
 
 def sampling_groups(rows: list[int], samplers: list[Sequence]) -> list[tuple[list[int], list[Sequence]]]:

@@ -18,14 +18,13 @@ from kvserve.accel.prepare import prepare_model
 from kvserve.config import EngineConfig
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.scheduler import ScheduledSeq, SchedulerOutput
-from kvserve.engine.step_batch import sampling_request
+from kvserve.engine.step_batch import draft_requests, sampling_request
 from kvserve.loading import LoadedModel, load_model
 from kvserve.loading.loader import build_model, resolve_dtype
 from kvserve.model.attention import KVCache
 from kvserve.model.config import LayerGroup
 from kvserve.sampling import Sampler
-from kvserve.sampling.sampler import SamplerOutput, penalizes
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling.sampler import SamplerOutput, apply_penalties
 from kvserve.sequence import Sequence
 from kvserve.speculative.proposers import Draft, Drafter, ModelDrafter, NgramDrafter
 from kvserve.speculative.rejection import accept_greedy, rejection_sample
@@ -46,14 +45,6 @@ class DraftTarget:
     runner: ModelRunner
     kv_cache: KVCache
     layer_groups: list[LayerGroup]
-
-
-def _never_drafts(p: SamplingParams) -> bool:
-    """Penalties depend on every token before a position: such rows decode plainly (drafts
-    would need each position's penalties to verify). A bias would too: verification scores
-    drafts on the raw logits. (A grammar's mask also depends on the tokens before a position:
-    `propose` walks the matcher over the draft for each position's mask.)"""
-    return penalizes(p) or bool(p.logit_bias)
 
 
 class SpeculativeDecoder:
@@ -102,7 +93,7 @@ class SpeculativeDecoder:
         exit_at = layers if layers < mc.num_layers else None
         if not copy:  # early exit on the target itself: its K/V for those layers are the draft's
             log.info("self-speculative draft: early exit after %d of %d layers", layers, mc.num_layers)
-            return ModelDrafter(target.runner, num_layers=exit_at)
+            return ModelDrafter(target.runner, num_layers=exit_at, eos_token_ids=target.loaded.tokenizer.eos_token_ids)
         draft = build_model(mc, model.state_dict(), dtype, self.config.device, target.loaded.source)
         what = f"{dtype}"
         if bits:
@@ -128,23 +119,23 @@ class SpeculativeDecoder:
         log.info("%s: its own KV pool %.2f GiB (same block tables as the target)", what, cache.nbytes / 2**30)
         prepare_model(draft, cfg.device, pack=cfg.weights_config.pack_weights, fuse_cuda=False, what="draft")
         self.draft_runner = ModelRunner(draft, cache, cfg.block_size, cfg.device)
-        return ModelDrafter(self.draft_runner, num_layers=exit_at, separate_cache=True)
+        return ModelDrafter(self.draft_runner, num_layers=exit_at, separate_cache=True,
+                            eos_token_ids=target.loaded.tokenizer.eos_token_ids)
 
     # ---------------------------------------------------------------- per sequence
     def attach(self, seqs: list[Sequence]) -> None:
         """A new request's samples: with a separate draft pool, each one's draft cache starts empty
-        (a prefix hit fills it); penalized, biased and constrained ones never draft."""
+        (a prefix hit fills it)."""
         for s in seqs:
-            if self.draft_runner is not None and not _never_drafts(s.params):
+            if self.draft_runner is not None:
                 s.num_draft_computed = 0
 
     def budget(self, seq: Sequence, max_model_len: int) -> int:
-        """Draft tokens seq may be verified with next step: never more than it may still emit."""
-        p = seq.params
-        if self.drafter is None or _never_drafts(p) or seq.reasoning_grammar is not None:
+        """Draft tokens seq may be verified with next step: never more than it may still emit.
+        (Penalties, a bias, min_tokens and a grammar apply at each verified position, after the
+        drafts before it.)"""
+        if self.drafter is None or seq.reasoning_grammar is not None:
             return 0  # (drafts past </think> would be verified without the grammar's mask)
-        if len(seq.output_token_ids) < p.min_tokens:
-            return 0  # eos is masked per position until then: plain sampling handles it
         return seq.lookahead_limit(self.config.speculative_config.num_speculative_tokens, max_model_len)
 
     # ---------------------------------------------------------------- per step
@@ -185,8 +176,7 @@ class SpeculativeDecoder:
         rows = torch.cat([torch.arange(r, r + it.num_logits) for it, r in spec]).to(logits.device)
         target = logits[rows]
         ds = [drafts[id(it)] for it in items]
-        scored = _under_grammars(target, items, ds)
-        res = rejection_sample(scored, [d.token_ids for d in ds], [d.probs for d in ds],
+        res = rejection_sample(_processed_rows(target, items, ds, sampler.eos_token_ids), [d.token_ids for d in ds], [d.probs for d in ds],
                                [it.seq.params for it in items], [it.seq.generator for it in items])
         out, offset = [], 0
         for it, tokens, accepted in zip(items, res.token_ids, res.num_accepted):
@@ -231,10 +221,16 @@ class SpeculativeDecoder:
         st["num_accepted_tokens"] += accepted
 
 
-def _under_grammars(target: torch.Tensor, items: list[ScheduledSeq], drafts: list[Draft]) -> torch.Tensor:
-    """target [sum(k_i + 1), V] (a gathered copy of the step's logits) with each constrained
-    item's rows under its positions' grammar masks, as the sampler masks a plain row. Logprobs
-    stay the raw logits', so the rows are copied first when a constrained item reports them."""
+def _processed_rows(target: torch.Tensor, items: list[ScheduledSeq], drafts: list[Draft],
+                   eos_token_ids: list[int]) -> torch.Tensor:
+    """target [sum(k_i + 1), V] (the drafted items' rows, gathered from the step's logits) with
+    each row processed as the sampler would process its position, the drafts before it counting as
+    output: bias, min_tokens and penalties, then the grammar's mask. The raw rows stay as they are
+    when a row reports logprobs (they are the raw logits'). As in the sampler, a row min_tokens
+    leaves with no token (it bans the EOS a complete grammar allows alone) takes the grammar's mask
+    over its raw logits."""
+    requests = [r for it, d in zip(items, drafts) for r in draft_requests(it.seq, d.token_ids)]
+    scored = apply_penalties(target, requests, eos_token_ids)  # a copy where any row changes
     rows, masks, off = [], [], 0
     for it, d in zip(items, drafts):
         if d.allowed is not None:
@@ -242,10 +238,18 @@ def _under_grammars(target: torch.Tensor, items: list[ScheduledSeq], drafts: lis
             masks.append(d.allowed)
         off += it.num_logits
     if not rows:
-        return target
-    if any(d.allowed is not None and it.seq.params.logprobs is not None for it, d in zip(items, drafts)):
-        target = target.clone()
+        return scored
+    if scored is target and any(d.allowed is not None and it.seq.params.logprobs is not None
+                                for it, d in zip(items, drafts)):
+        scored = target.clone()
     bitmask = torch.full((target.shape[0], masks[0].shape[1]), -1, dtype=torch.int32)
     bitmask[rows] = torch.cat(masks)
-    kernels.apply_token_bitmask(target, bitmask, rows)
-    return target
+    kernels.apply_token_bitmask(scored, bitmask, rows)
+    if scored is not target:
+        idx = torch.tensor(rows, device=target.device)
+        dead = idx[scored[idx].amax(dim=1) == float("-inf")].tolist()
+        if dead:
+            fresh = target[dead].clone()
+            kernels.apply_token_bitmask(fresh, bitmask[dead].contiguous(), list(range(len(dead))))
+            scored[dead] = fresh
+    return scored

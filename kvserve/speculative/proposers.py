@@ -20,6 +20,8 @@ from typing import Sequence as Seq
 import torch
 
 from kvserve.engine.model_runner import ModelRunner, StepInput
+from kvserve.sampling import SamplingRequest
+from kvserve.sampling.sampler import apply_penalties
 from kvserve.sequence import Sequence
 from kvserve.speculative.ngram import NgramProposer
 from kvserve.speculative.rejection import processed_probs, sample_probs
@@ -56,10 +58,12 @@ class ModelDrafter:
     Otherwise (early exit) the target computed everything before the last token.
     """
 
-    def __init__(self, runner: ModelRunner, num_layers: int | None = None, separate_cache: bool = False):
+    def __init__(self, runner: ModelRunner, num_layers: int | None = None, separate_cache: bool = False,
+                 eos_token_ids: Seq[int] = ()):
         self.runner = runner
         self.num_layers = num_layers
         self.separate_cache = separate_cache
+        self.eos_token_ids = list(eos_token_ids)  # the ends min_tokens bans
 
     def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[Draft]:
         drafts = [Draft([]) for _ in seqs]
@@ -71,7 +75,7 @@ class ModelDrafter:
                 break
             inputs = [self._input(seqs[i], drafts[i].token_ids, step) for i in active]
             logits = self.runner.execute(inputs, num_layers=self.num_layers)
-            tokens, rows = self._pick(logits, [seqs[i] for i in active])
+            tokens, rows = self._pick(logits, [seqs[i] for i in active], [drafts[i].token_ids for i in active])
             for j, i in enumerate(active):
                 drafts[i].token_ids.append(tokens[j])
                 if rows is not None and rows[j] is not None:
@@ -91,10 +95,14 @@ class ModelDrafter:
         start = min(seq.num_draft_computed, last) if self.separate_cache else last
         return StepInput(seq.token_slice(start, last + 1), start, seq.block_table, group_tables=seq.group_block_tables)
 
-    @staticmethod
-    def _pick(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[torch.Tensor | None] | None]:
-        """Draft tokens for logits [B, V]: argmax for greedy rows, a sample from the processed
-        distribution (kept as q for the acceptance test) for random rows."""
+    def _pick(self, logits: torch.Tensor, seqs: list[Sequence], drafted: list[list[int]]
+              ) -> tuple[list[int], list[torch.Tensor | None] | None]:
+        """Draft tokens for logits [B, V], after the bias, min_tokens and penalties the target
+        applies at that position (the drafts so far count as output), so that a draft with the
+        target's weights proposes the target's tokens: argmax for greedy rows, a sample from the
+        processed distribution (kept as q for the acceptance test) for random rows."""
+        logits = apply_penalties(logits, [SamplingRequest(s.params, s.prompt_token_ids, s.output_token_ids + d)
+                                          for s, d in zip(seqs, drafted)], self.eos_token_ids)
         tokens = logits.max(dim=-1).indices
         random_rows = [j for j, s in enumerate(seqs) if not s.params.greedy]
         if not random_rows:

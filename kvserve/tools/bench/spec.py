@@ -88,8 +88,10 @@ def _run_once(loaded, prompts: list[str], batch: int, params, engine_args: dict,
 
 def measure(loaded, proposers: list[str], ks: list[int], batches: list[int], prompts: list[str], output_len: int,
             rounds: int, temperature: float = 0.0, draft_model: str | None = None, kv_cache_gib: float = 0.5,
-            progress=print, top_p: float = 1.0) -> list[SpecRun]:
-    params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=output_len, ignore_eos=True, seed=0)
+            progress=print, sampling: dict | None = None) -> list[SpecRun]:
+    """`sampling`: further SamplingParams fields (top_p, top_k, repetition_penalty, ...)."""
+    params = SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True, seed=0,
+                            **(sampling or {}))
     lens = [len(loaded.tokenizer.encode(p)) for p in prompts]
     max_model_len = max(lens) + output_len + max(ks) + 16
     configs = [("plain", 0)] + [(p, k) for p in proposers for k in ks]
@@ -163,13 +165,15 @@ def main(args) -> int:
     path = Path(args.dataset_path) if args.dataset_path else default_wikitext_path()
     if not path.is_file():
         raise ValueError(f"--dataset-path: {path} is not a file")
-    SamplingParams(temperature=args.temperature, top_p=args.top_p)  # a bad setting fails here, naming the field
+    sampling = dict(top_p=args.top_p, top_k=args.top_k, repetition_penalty=args.repetition_penalty)
+    SamplingParams(temperature=args.temperature, **sampling)  # a bad setting fails here, naming the field
     prompts = make_prompts(load_wikitext_words(path), args.workload, args.num_prompts, args.doc_words, args.seed)
     loaded = load_model(args.model, args.dtype)
     runs = measure(loaded, proposers, args.k, args.batch, prompts, args.output_len, args.rounds,
-                   args.temperature, args.speculative_model, args.kv_cache_gib, top_p=args.top_p)
+                   args.temperature, args.speculative_model, args.kv_cache_gib, sampling=sampling)
     print(f"\n{args.workload} workload, {args.dtype}, {len(prompts)} prompts x {args.output_len} tokens, "
-          f"temperature {args.temperature}, top-p {args.top_p}, median of {args.rounds} rounds")
+          f"temperature {args.temperature}, top-p {args.top_p}, top-k {args.top_k}, repetition penalty "
+          f"{args.repetition_penalty}, median of {args.rounds} rounds")
     print_table(runs)
     if args.json:
         out = Path(args.json)
