@@ -18,9 +18,11 @@ from kvserve.engine.scheduler import ScheduledSeq
 from kvserve.engine.step_batch import draft_requests
 from kvserve.sampling.structured import GrammarBackend, GrammarState
 from kvserve.sequence import Sequence
-from kvserve.speculative.decoder import _processed_rows
+from kvserve.speculative.decoder import _processed_rows, under_grammar
 from kvserve.speculative.proposers import Draft
+from kvserve.speculative.rejection import rejection_sample
 from tests.logits import all_position_logits
+from tests.test_spec_rejection import chi2_pvalue
 from tests.test_speculative import PROMPTS as SPEC_PROMPTS
 from tests.test_speculative import NUM_DRAWS, STAT_PROMPT, TopTokensDrafter, _chi_square_pvalue, _drained
 
@@ -69,6 +71,37 @@ def test_verification_rows_are_processed_per_position():
     assert got[:3].tolist() == [[1, inf, inf, inf], [inf, 2, inf, inf], [inf, inf, inf, 4]]
     assert got[3:].tolist() == [[1, 2, 1.5, 4], [0.5, 2, 1.5, 4], [0.5, 1, 1.5, 4]]  # c, then a, then b seen
     assert (target == torch.tensor([1.0, 2.0, 3.0, 4.0])).all()  # the raw rows, for logprobs
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["point-mass", "sampled"])
+def test_a_forbidden_draft_leaves_the_masked_distribution(sampled):
+    """The grammar allows a or b (p 1/2 each after the mask) and forbids s, the target's favourite.
+    Drafts of s: a point mass is cut before it and the row samples p; a sampled draft (q half on
+    s, half on a) is not cut, and its residual after s is rejected, all b, makes up for the a
+    drafts kept. Cutting it too would draw a 3/4 of the time."""
+    a, b, s, eos = range(4)
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo(["a", "b", "s", "</s>"], stop_token_ids=[eos])) \
+        .compile_grammar(xgr.Grammar.from_regex("(a|b)(a|b)"))
+    seq = Sequence(0, "r", [b], SamplingParams(temperature=1.0), 0.0)
+    seq.grammar = GrammarState(xgr.GrammarMatcher(compiled))
+    target = torch.tensor([[0.0, 0.0, 3.0, -1.0]]).repeat(2, 1)
+    q = torch.tensor([[0.5, 0.0, 0.5, 0.0]])
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.zeros(4)
+    for _ in range(4000):
+        if sampled:
+            draft = Draft([int(torch.multinomial(q[0], 1, generator=gen))], q.clone())
+        else:
+            draft = Draft([s if torch.rand(1, generator=gen) < 0.5 else a])
+        under_grammar(draft, seq.grammar, 4)
+        k = len(draft.token_ids)
+        assert k == (1 if sampled or draft.token_ids == [a] else 0)
+        item = ScheduledSeq(seq, 1 + k, num_spec=k)
+        scored = _processed_rows(target[:k + 1], [item], [draft], [eos])
+        res = rejection_sample(scored, [draft.token_ids], [draft.probs], [seq.params], [gen])
+        counts[res.token_ids[0][0]] += 1
+    assert counts[s] == counts[eos] == 0
+    assert chi2_pvalue(counts[:2], torch.tensor([0.5, 0.5])) > 1e-3, counts
 
 
 # ------------------------------------------------------------------ greedy: the same tokens

@@ -25,6 +25,7 @@ from kvserve.model.attention import KVCache
 from kvserve.model.config import LayerGroup
 from kvserve.sampling import Sampler
 from kvserve.sampling.sampler import SamplerOutput, apply_penalties
+from kvserve.sampling.structured import GrammarState
 from kvserve.sequence import Sequence
 from kvserve.speculative.proposers import Draft, Drafter, ModelDrafter, NgramDrafter
 from kvserve.speculative.rejection import accept_greedy, rejection_sample
@@ -146,10 +147,8 @@ class SpeculativeDecoder:
 
     def propose(self, sched: SchedulerOutput) -> dict[int, Draft]:
         """Draft tokens for the scheduled decodes with reserved slots, keyed by id(item); shrinks
-        each item to what was proposed. A constrained sequence's draft carries each position's
-        grammar mask; a point-mass draft stops before its first token the grammar forbids (that
-        token could not be kept, and the row it would be verified on samples as plain decoding
-        does: its residual is the masked distribution itself)."""
+        each item to what was proposed (a constrained sequence's draft with its masks,
+        `under_grammar`)."""
         items = [it for it in sched.scheduled if it.num_spec]
         if not items:
             return {}
@@ -158,10 +157,7 @@ class SpeculativeDecoder:
         for it, d in zip(items, drafts):
             del d.token_ids[it.num_spec:]
             if it.seq.grammar is not None:
-                d.allowed, valid = it.seq.grammar.draft_masks(d.token_ids, self.vocab_size)
-                if d.probs is None and valid < len(d.token_ids):
-                    del d.token_ids[valid:]
-                    d.allowed = d.allowed[:valid + 1]
+                under_grammar(d, it.seq.grammar, self.vocab_size)
             it.num_spec = len(d.token_ids)
             it.num_tokens = 1 + it.num_spec
             out[id(it)] = d
@@ -219,6 +215,17 @@ class SpeculativeDecoder:
         st["num_drafts"] += 1
         st["num_draft_tokens"] += item.num_spec
         st["num_accepted_tokens"] += accepted
+
+
+def under_grammar(draft: Draft, grammar: GrammarState, vocab_size: int) -> None:
+    """Give a constrained sequence's draft its positions' masks (`Draft.allowed`); a point-mass
+    draft stops before its first token the grammar forbids (it could not be kept, and the row it
+    would be verified on samples from the masked distribution either way: the residual of a point
+    mass on a token of probability 0 is p). A sampled draft is not cut: its residual is not p."""
+    draft.allowed, valid = grammar.draft_masks(draft.token_ids, vocab_size)
+    if draft.probs is None and valid < len(draft.token_ids):
+        del draft.token_ids[valid:]
+        draft.allowed = draft.allowed[:valid + 1]
 
 
 def _processed_rows(target: torch.Tensor, items: list[ScheduledSeq], drafts: list[Draft],
