@@ -195,7 +195,8 @@ def _sample_joint(gemma, drafter, params: SamplingParams, max_num_seqs: int = 64
     runner.execute_top_k = counting
     n = min(params.n, max_num_seqs)  # requests of n draws (sample j of a request seeded seed + j)
     prompts = [prompt] * (params.n // n)
-    outs = llm.generate(prompts, [dataclasses.replace(params, n=n, seed=params.seed + i * n) for i in range(len(prompts))])
+    outs = llm.generate(prompts, [dataclasses.replace(params, n=n, seed=params.seed + i * n)
+                                  for i in range(len(prompts))])
     counts: dict = {}
     for c in (c for o in outs for c in o.outputs):
         counts[tuple(c.token_ids)] = counts.get(tuple(c.token_ids), 0) + 1

@@ -172,7 +172,8 @@ class SpeculativeDecoder:
         rows = torch.cat([torch.arange(r, r + it.num_logits) for it, r in spec]).to(logits.device)
         target = logits[rows]
         ds = [drafts[id(it)] for it in items]
-        res = rejection_sample(_processed_rows(target, items, ds, sampler.eos_token_ids), [d.token_ids for d in ds], [d.probs for d in ds],
+        scored = _processed_rows(target, items, ds, sampler.eos_token_ids)  # target stays raw, for logprobs
+        res = rejection_sample(scored, [d.token_ids for d in ds], [d.probs for d in ds],
                                [it.seq.params for it in items], [it.seq.generator for it in items])
         out, offset = [], 0
         for it, tokens, accepted in zip(items, res.token_ids, res.num_accepted):
