@@ -16,6 +16,7 @@ from kvserve.engine.model_runner import StepInput
 from kvserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from kvserve.sampling import Sampler, SamplerOutput, SamplingRequest, ScreenedRows
 from kvserve.sampling.sampler import penalizes
+from kvserve.sampling.structured import GrammarState, token_bitmask
 from kvserve.sequence import Sequence
 from kvserve.speculative.proposers import Draft
 
@@ -144,12 +145,12 @@ def argmax_masks(b: StepBatch, sampler: Sampler, vocab_size: int,
         return None  # (first the cheap test: most steps hold no constrained row)
     if not _all_rows_sampled(b):
         return None
-    first = sampler.greedy_masks([sampling_request(s) for s in b.samplers + [it.seq for it, _ in b.spec]],
-                                 vocab_size)
-    if first is None:
+    if not sampler.argmax_rows([sampling_request(s) for s in b.samplers + [it.seq for it, _ in b.spec]]):
         return None
-    allowed = torch.full((b.num_rows, first.shape[1]), -1, dtype=torch.int32)
-    allowed[b.rows] = first[:len(b.samplers)]
+    states: list[GrammarState | None] = [None] * b.num_rows  # (drafted rows: their draft's masks)
+    for row, seq in zip(b.rows, b.samplers):
+        states[row] = seq.grammar
+    allowed = token_bitmask(states, vocab_size)
     for row, masks in draft_masks:
         allowed[row:row + masks.shape[0]] = masks
     return allowed

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve import kernels
-from kvserve.sampling.structured import GrammarState, apply_masks, token_bitmask
+from kvserve.sampling.structured import GrammarState, apply_masks
 from kvserve.sampling_params import SamplingParams
 
 
@@ -333,13 +333,11 @@ class Sampler:
         return all(_plain_greedy(r) for r in requests)
 
     @staticmethod
-    def greedy_masks(requests: list[SamplingRequest], vocab_size: int) -> torch.Tensor | None:
-        """Where every request takes the argmax of its raw logits, some under a grammar, and none
-        reports logprobs: the tokens each row may take ([N, ceil(V / 32)] int32, `token_bitmask`),
-        so that the engine may pick them without the logits; else None."""
-        if all(r.grammar is None for r in requests) or not all(_argmax_row(r) for r in requests):
-            return None
-        return token_bitmask([r.grammar for r in requests], vocab_size)
+    def argmax_rows(requests: list[SamplingRequest]) -> bool:
+        """Every request takes the argmax of its raw logits (under its grammar's mask where it has
+        one) and reports no logprobs: the engine may pick the tokens through the greedy screen
+        with the masks (`token_bitmask`), without the logits."""
+        return all(_argmax_row(r) for r in requests)
 
     def screened_top_k(self, requests: list[SamplingRequest], vocab_size: int, max_k: int, max_touched: int
                        ) -> ScreenedRows | None:
