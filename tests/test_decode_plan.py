@@ -1,7 +1,8 @@
-"""The batch-1 decode step's layers in one C call (kvserve/accel/decode_plan.py,
-kvserve/kernels/decode_step.c) compute bitwise what the Python path computes: same tokens and
-same log-probabilities, on fp32 panels, on the int8 / int4 kernels and on GGUF blocks, with sliding-window
-layers, for Gemma 3 and the Llama family, and after the weights change under it."""
+"""A small step's layers in one C call (kvserve/accel/decode_plan.py, kvserve/kernels/decode_step.c)
+compute bitwise what the Python path computes: same tokens and same log-probabilities, on fp32
+panels, on the int8 / int4 kernels and on GGUF blocks, with sliding-window layers, for Gemma 3 and
+the Llama family, after the weights change under it, and for steps of several rows (decode
+batches, speculative verification chunks, both at once)."""
 from __future__ import annotations
 
 import pytest
@@ -20,11 +21,14 @@ class _Spy:
 
     def __init__(self, monkeypatch):
         self.runs, self.off = 0, False
+        self.steps: list[tuple[int, int, int]] = []  # (rows, chunks, decode rows) of each run, group 0
         run, applies = DecodePlan.run, DecodePlan.applies
 
-        def counted(plan, *a, **k):
+        def counted(plan, h, cos_sin, meta):
             self.runs += 1
-            return run(plan, *a, **k)
+            g = meta.for_group(0)
+            self.steps.append((h.shape[0], len(g.seqs), 0 if g.decode is None else g.decode.rows.shape[0]))
+            return run(plan, h, cos_sin, meta)
 
         monkeypatch.setattr(DecodePlan, "run", counted)
         monkeypatch.setattr(DecodePlan, "applies", staticmethod(lambda h, meta: not self.off and applies(h, meta)))
@@ -161,3 +165,51 @@ def test_models_the_loop_does_not_run_take_the_python_path(tiny_gemma3, tmp_path
     # A model nobody packed: its projections are plain nn.Linear.
     unpacked = LLM(loaded=load_model(tiny_gemma3.source), kv_cache_gib=0.01, max_num_seqs=1, pack_weights=False)
     assert plan_for(unpacked.engine.loaded.model, unpacked.engine.runner.kv_cache) is None
+
+
+def _both_paths(llm: LLM, prompts: list, params: SamplingParams, spy: _Spy) -> list[tuple[list[int], list]]:
+    """Every request's tokens and log-probabilities with the plan, then bitwise the same with every
+    step on the Python path; returns them."""
+    def run():
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+
+    got = run()
+    spy.off = True
+    assert run() == got
+    spy.off = False
+    return got
+
+
+@pytest.mark.parametrize("source", ["float", "gguf"])
+def test_plan_takes_speculative_verification_chunks(gemma, gemma_path, monkeypatch, source):
+    """An n-gram draft's k + 1 rows of one sequence: the prefill kernel's causal chunk inside the loop."""
+    spy = _Spy(monkeypatch)
+    model = dict(loaded=gemma, weights="float") if source == "float" else dict(model=str(gemma_path), weights="gguf")
+    llm = LLM(**model, kv_cache_gib=0.25, max_num_seqs=1, enable_prefix_caching=False, speculative="ngram",
+              num_speculative_tokens=4)
+    prompt = "one two three four five one two three four five one two three four five one two"
+    _both_paths(llm, [prompt], PARAMS, spy)
+    assert any(rows > 1 and chunks == 1 and dec == 0 for rows, chunks, dec in spy.steps)
+
+
+def test_plan_takes_small_decode_batches(gemma, monkeypatch):
+    spy = _Spy(monkeypatch)
+    llm = LLM(loaded=gemma, weights="int8", kv_cache_gib=0.25, max_num_seqs=4, enable_prefix_caching=False)
+    prompts = ["The history of the printing press begins", "A recipe for bread:", "Rivers of Europe include"]
+    _both_paths(llm, prompts, PARAMS, spy)
+    assert any(rows == dec == 3 and chunks == 0 for rows, chunks, dec in spy.steps)
+
+
+@pytest.mark.parametrize("release", [True, False])
+def test_plan_takes_chunks_beside_decode_rows_in_sliding_windows(tiny_gemma3, monkeypatch, release):
+    """Two sequences, one drafting (a chunk) and one not (a decode row) in the same step, both past
+    the window of 8, with sliding blocks released or kept: decode rows gathered from among the
+    chunk's rows."""
+    spy = _Spy(monkeypatch)
+    llm = LLM(loaded=tiny_gemma3, kv_cache_gib=0.01, block_size=4, max_num_seqs=2, enable_prefix_caching=False,
+              sliding_window_release=release, speculative="ngram", num_speculative_tokens=3)
+    periodic = [2] + [3 + j % 5 for j in range(30)]
+    plain = [2] + [(7 * j) % 300 + 3 for j in range(25)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+    _both_paths(llm, [periodic, plain], params, spy)
+    assert any(chunks >= 1 and dec >= 1 for _, chunks, dec in spy.steps)

@@ -87,7 +87,7 @@ def test_logit_bias_sampler_equals_bias_added_to_logits():
 
 
 def test_logit_bias_in_the_engine_equals_hf_logits_plus_bias(gemma, hf_gemma):
-    """Greedy with a bias: alone (the batch-1 decode plan), beside a plain greedy request (the
+    """Greedy with a bias: alone and beside a plain greedy request (the decode plan; the
     int8 head screen's batches) and with n-gram speculation, every token is the argmax of HF's
     logits plus the bias; +100 forces its token."""
     prompt = "The capital of France is"

@@ -1,7 +1,7 @@
 """Float KV pools of a stated width (`kv_cache_dtype` "fp16" / "bf16" / "fp32"): the C kernels that
 write and read the pool round and widen as torch's `.to()` does, the attention kernels equal
 float64 attention over the pool's own values, the engine gives the same tokens with the kernels
-(the batch-1 decode plan included) as on the torch path over the same pool, and GGUF blocks get an
+(the decode plan included) as on the torch path over the same pool, and GGUF blocks get an
 fp16 pool by default."""
 from __future__ import annotations
 
@@ -166,7 +166,7 @@ def test_engine_tokens_equal_the_torch_path_over_the_same_pool(tiny_models, kind
     run = DecodePlan.run
     monkeypatch.setattr(DecodePlan, "run", lambda self, *a: ran.append(1) or run(self, *a))
     fast = [_generate(loaded, kv_dtype, p) for p in (batch, single)]
-    assert ran, "the batch-1 decode plan did not run on a 16-bit pool"
+    assert ran, "the decode plan did not run on a 16-bit pool"
     for name in ("paged_decode_attention", "prefill_attention", "norm_rope_write"):
         monkeypatch.setattr(attention, name, lambda *a, **k: None)
     monkeypatch.setattr(DecodePlan, "applies", staticmethod(lambda h, meta: False))

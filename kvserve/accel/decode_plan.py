@@ -1,14 +1,15 @@
-"""A batch-1 decode step's layer stack as one C call (kvserve/kernels/decode_step.c).
+"""A small step's layer stack as one C call (kvserve/kernels/decode_step.c).
 
-At one token per step each decoder layer costs ~0.6-0.8 ms of Python and torch dispatch around
+At a few rows per step each decoder layer costs ~0.6-0.8 ms of Python and torch dispatch around
 ~10 kernel calls, about as much as streaming its weights. `DecodePlan` describes every layer once
 (pointers to the packed fp32 panels or the int8 / int4 weights, the norm gains, the KV pages) and
 hands the C loop the same kernels the Python path calls, in the same order: the hidden state it
 returns is bitwise the Python path's (tests/test_decode_plan.py).
 
-It applies to steps of one decode row through Gemma 3 or Llama-family layers (Llama, Mistral,
-Qwen3; without biases) that run on the C kernels (fp32
-activations on the CPU, an unquantized KV pool, every projection packed or on kvserve's int
+It applies to steps of a few rows (decode rows of several sequences, the k + 1 rows of a
+speculative verification: as many as every projection's kernel takes in one call, 8-64) through
+Gemma 3 or Llama-family layers (Llama, Mistral, Qwen3; without biases) that run on the C kernels
+(fp32 activations on the CPU, an unquantized KV pool, every projection packed or on kvserve's int
 kernels), no custom attention hook, no early exit; anything else runs the Python path. The plan
 remembers each tensor it points at (and its in-place version) and is rebuilt when one changes.
 """
@@ -26,6 +27,7 @@ from kvserve.accel.panels import PanelLinear
 from kvserve.model.attention import AttentionMetadata, KVCache
 from kvserve.model.gemma3 import Gemma3DecoderLayer
 from kvserve.model.llama import LlamaDecoderLayer
+from kvserve.weights import ggml, half, linear
 from kvserve.weights.ggml import GGMLLinear
 from kvserve.weights.half import HalfLinear
 from kvserve.weights.linear import QuantLinear
@@ -39,9 +41,14 @@ class _Lin(ctypes.Structure):
                 ("block_n", _I), ("row_bytes", ctypes.c_int64), ("order", _P)]
 
 
+class _Chunk(ctypes.Structure):
+    _fields_ = [("q_start", _I), ("q_len", _I), ("slots", _P), ("n", _I), ("first_kv", _I), ("first_q", _I)]
+
+
 class _Ctx(ctypes.Structure):
-    _fields_ = [("cos", _P), ("sin", _P), ("slot", _P), ("table", _P), ("start", _P), ("len", _P),
-                ("max_blocks", _I)]
+    _fields_ = [("cos", _P), ("sin", _P), ("slot", _P), ("n_dec", _I), ("max_len", _I), ("max_blocks", _I),
+                ("dec_rows", _P), ("table", _P), ("start", _P), ("len", _P), ("n_chunks", _I), ("window", _I),
+                ("chunks", _P)]
 
 
 class _Layer(ctypes.Structure):
@@ -54,7 +61,7 @@ class _Layer(ctypes.Structure):
 class _Step(ctypes.Structure):
     _fields_ = [("panel_gemm", _P), ("int8_gemv", _P), ("int4_gemv", _P), ("rms_norm", _P), ("add_rms_norm", _P),
                 ("norm_rope_write", _P), ("paged_decode", _P), ("gated_act", _P), ("ggml_gemv", _P), ("ggml_q8", _P),
-                ("half_gemv", _P),
+                ("half_gemv", _P), ("prefill", _P),
                 ("H", _I), ("KVH", _I), ("D", _I), ("hidden", _I), ("inter", _I), ("block_size", _I), ("threads", _I),
                 ("kv_type", _I), ("eps", _F), ("qk_eps", _F), ("scale", _F)]
 
@@ -65,6 +72,11 @@ _FUNCTIONS = {"panel_gemm": ("panel_gemm", "panel_gemm"), "int8_gemv": ("lowbit_
               "paged_decode": ("paged_attention", "paged_decode"),
               "ggml_gemv": ("ggml_blocks", "ggml_gemv"), "ggml_q8": ("ggml_int8", "ggml_q8_matmul"),
               "half_gemv": ("half_gemv", "half_gemv")}
+# Rows of a step a plan takes: as many as each of its projections' kernels takes in the one call
+# the Python path makes (more rows, and a layer multiplies by a dequantized or widened weight).
+_ROW_LIMITS = {0: None, 1: linear.GEMV_MAX_ROWS, 2: linear.GEMV_MAX_ROWS, 3: ggml.GEMV_MAX_ROWS, 4: None,
+               5: half.GEMV_MAX_ROWS}  # by _Lin.kind; None: any number of rows
+MAX_ROWS = max(n for n in _ROW_LIMITS.values() if n is not None)  # the most any plan takes
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -145,7 +157,7 @@ def _norms(layer: nn.Module) -> tuple:
 
 
 class DecodePlan:
-    """The C description of a model's layers for batch-1 decode steps (see module doc)."""
+    """The C description of a model's layers for small steps (see module doc)."""
 
     def __init__(self, model: nn.Module, kv_cache: KVCache):
         cfg = model.config
@@ -165,6 +177,12 @@ class DecodePlan:
         addresses = {f: kernels.kernel_address(src, name) for f, (src, name) in functions.items()}
         if None in addresses.values() or kernels.kernel_lib("decode_step") is None:
             raise _Unsupported("C kernels unavailable")
+        # Chunks of a sequence go through the prefill kernel where the Python path does (else the
+        # plan takes steps of decode rows only).
+        lib = kernels.kernel_lib("prefill_attention")
+        self.takes_chunks = bool(lib is not None and lib.prefill_attention_available() and cfg.head_dim % 16 == 0)
+        addresses["prefill"] = kernels.kernel_address("prefill_attention", "prefill_attention") if self.takes_chunks \
+            else None
         # (owner, attribute, tensor) to re-check; never the model or the KVCache object themselves,
         # which key the weak map of plans (see plan_for)
         self._keep: list[tuple[object, str | None, torch.Tensor]] = []
@@ -203,6 +221,9 @@ class DecodePlan:
         if len(norm_eps) != 1 or any(layer.self_attn.scale != first.scale for layer in model.layers):
             raise _Unsupported("layers with different norm eps or attention scales")
         self._layers = layers
+        lins = [lin for ly in layers for lin in (*ly.qkv[:ly.n_qkv], ly.o, *ly.gate_up[:ly.n_gate_up], ly.down)]
+        self.max_rows = min((_ROW_LIMITS[lin.kind] for lin in lins if _ROW_LIMITS[lin.kind] is not None),
+                            default=MAX_ROWS)
         self._ctxs = (_Ctx * len(self._ctx_keys))()
         self._step = _Step(**addresses, H=cfg.num_heads, KVH=cfg.num_kv_heads, D=cfg.head_dim,
                            hidden=cfg.hidden_size, inter=cfg.intermediate_size, block_size=0, threads=1,
@@ -233,29 +254,59 @@ class DecodePlan:
 
     @staticmethod
     def applies(h: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """A step of one decode row (fp32 CPU hidden state, no custom hook)."""
-        return (h.shape[0] == 1 and meta.custom is None and not meta.seqs and meta.decode is not None
-                and meta.decode.rows.shape[0] == 1 and h.dtype == torch.float32 and h.device.type == "cpu")
+        """A step of 1..MAX_ROWS rows (fp32 CPU hidden state, no custom hook); whether this plan
+        runs it is `takes`."""
+        return (0 < h.shape[0] <= MAX_ROWS and meta.custom is None and h.dtype == torch.float32
+                and h.device.type == "cpu")
+
+    def takes(self, rows: int, meta: AttentionMetadata) -> bool:
+        """Rows its projections' kernels take in one call, and chunks only with the prefill kernel."""
+        return rows <= self.max_rows and (self.takes_chunks or not meta.seqs)
 
     def run(self, h: torch.Tensor, cos_sin: dict[str, tuple[torch.Tensor, torch.Tensor]],
             meta: AttentionMetadata) -> torch.Tensor | None:
-        """h [1, hidden] after the embedding -> the last layer's output [1, hidden]; None when the
+        """h [M, hidden] after the embedding -> the last layer's output [M, hidden]; None when the
         C loop failed (the caller runs the Python path; nothing it wrote is read)."""
-        keep = []  # the step's tensors stay alive until the call returns
+        keep = []  # the step's tensors and chunk arrays stay alive until the call returns
+        M = h.shape[0]
         for c, (group, window, rope) in zip(self._ctxs, self._ctx_keys):
             gm = meta.for_group(group)
-            batch = gm.decode
             cos, sin = (t.contiguous() for t in cos_sin[rope])
-            table = batch.block_tables if batch.block_tables.is_contiguous() else batch.block_tables.contiguous()
-            start = batch.starts(window)
-            keep += [cos, sin, table, start]
-            c.cos, c.sin, c.slot, c.table = cos.data_ptr(), sin.data_ptr(), gm.slot_mapping.data_ptr(), table.data_ptr()
-            c.start, c.len, c.max_blocks = start.data_ptr(), batch.lens.data_ptr(), table.shape[1]
-            self._step.block_size = batch.block_size
+            keep += [cos, sin]
+            c.cos, c.sin, c.slot, c.window = cos.data_ptr(), sin.data_ptr(), gm.slot_mapping.data_ptr(), window or 0
+            self._decode_rows(c, gm.decode, window, M, bool(gm.seqs), keep)
+            chunks = (_Chunk * max(1, len(gm.seqs)))()
+            for chunk, s in zip(chunks, gm.seqs):
+                first_kv = s.first_kv(window)
+                slots = s.ctx_slots[first_kv:]
+                keep.append(slots)
+                chunk.q_start, chunk.q_len, chunk.slots = s.q_start, s.q_len, slots.data_ptr()
+                chunk.n, chunk.first_kv, chunk.first_q = slots.shape[0], first_kv, s.ctx_len - s.q_len
+            keep.append(chunks)
+            c.n_chunks, c.chunks = len(gm.seqs), ctypes.addressof(chunks)
         self._step.threads = torch.get_num_threads()
         out = h.contiguous().clone()
-        rc = self._fn(ctypes.byref(self._step), self._layers, self._ctxs, len(self._layers), out.data_ptr())
+        rc = self._fn(ctypes.byref(self._step), self._layers, self._ctxs, len(self._layers), M, out.data_ptr())
         return out if rc == 0 else None
+
+    def _decode_rows(self, c: _Ctx, batch, window: int | None, M: int, chunks: bool, keep: list) -> None:
+        """The Ctx's decode rows from the group's DecodeBatch (None: none); their row indices go
+        along only when the step has other rows (then the kernel gathers them, as _decode does)."""
+        if batch is None:
+            c.n_dec = 0
+            return
+        table = batch.block_tables if batch.block_tables.is_contiguous() else batch.block_tables.contiguous()
+        start = batch.starts(window)
+        keep += [table, start]
+        c.n_dec, c.max_blocks, c.table = batch.rows.shape[0], table.shape[1], table.data_ptr()
+        c.start, c.len = start.data_ptr(), batch.lens.data_ptr()
+        c.max_len = batch.max_len if batch.max_len is not None else int(batch.lens.max())
+        c.dec_rows = None
+        if chunks or c.n_dec != M:
+            rows = batch.rows.to(torch.int64).contiguous()
+            keep.append(rows)
+            c.dec_rows = rows.data_ptr()
+        self._step.block_size = batch.block_size
 
 
 # model -> {KV cache: its plan or None}: outside the module, so copying or saving a model never
@@ -266,15 +317,17 @@ _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def run_decode_plan(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                     meta: AttentionMetadata) -> torch.Tensor | None:
-    """A step's final hidden states [1, hidden] through the model's plan (embedding, every layer
+    """A step's final hidden states [M, hidden] through the model's plan (embedding, every layer
     in one C call, final norm), or None where no plan applies (the caller runs the model)."""
-    if input_ids.shape[0] != 1 or _PLANS.get(model, {}).get(kv_cache, True) is None:
-        return None  # not one row, or a model already found without a plan (kept None by plan_for)
+    if input_ids.shape[0] > MAX_ROWS or _PLANS.get(model, {}).get(kv_cache, True) is None:
+        return None  # too many rows, or a model already found without a plan (kept None by plan_for)
     h = model.embed(input_ids)
     if not DecodePlan.applies(h, meta):
         return None
     plan = plan_for(model, kv_cache)
-    out = None if plan is None else plan.run(h, model.rope_tables(positions, h.dtype), meta)
+    if plan is None or not plan.takes(h.shape[0], meta):
+        return None
+    out = plan.run(h, model.rope_tables(positions, h.dtype), meta)
     return None if out is None else model.norm(out)
 
 

@@ -55,7 +55,7 @@ class StepInput:
 
 
 class ModelRunner:
-    use_decode_plan = True  # batch-1 decode steps through accel/decode_plan.py where it applies
+    use_decode_plan = True  # small steps (<= 8 rows) through accel/decode_plan.py where it applies
 
     def __init__(self, model: CausalLM, kv_cache: KVCache, block_size: int, device: torch.device | str = "cpu",
                  stream_policies: list[StreamPolicy] | None = None, compile: bool = False,
@@ -307,7 +307,7 @@ class ModelRunner:
         if self.compiled is not None and num_layers is None and meta.custom is None:
             hidden = run_compiled(self.model, self.compiled, input_ids, positions, self.kv_cache, meta, keep)
             return hidden if keep is not None else hidden.index_select(0, logit_rows)
-        if num_layers is None and keep is None and self.use_decode_plan:  # batch-1 decode: one C call
+        if num_layers is None and keep is None and self.use_decode_plan:  # a small step: one C call
             hidden = run_decode_plan(self.model, input_ids, positions, self.kv_cache, meta)
             if hidden is not None:
                 return hidden.index_select(0, logit_rows)

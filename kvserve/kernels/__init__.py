@@ -140,7 +140,7 @@ _SIGNATURES: dict[str, dict[str, tuple[list, object]]] = {
     "token_mask": {"apply_token_bitmask": ([_P, _P, _P, _I, _L, _L, _I], None)},  # structured outputs
     "gelu": {"gelu_tanh_mul": ([_P, _P, _P, _I, _I, _L, _I], None),  # Gemma's MLP activation
              "silu_mul": ([_P, _P, _P, _I, _I, _L, _I], None)},  # Llama's
-    "decode_step": {"decode_layers": ([_P, _P, _P, _I, _P], ctypes.c_int)},  # accel/decode_plan.py
+    "decode_step": {"decode_layers": ([_P, _P, _P, _I, _I, _P], ctypes.c_int)},  # accel/decode_plan.py
     "ssm_decode": {"ssm_decode": ([_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I], None)},  # Mamba2
     "panel_gemm": {"panel_width": ([], ctypes.c_int),  # fp32 decode-step matmuls on packed weights
                    "pack_panels": ([_P, _P, _I, _I, _L, _L, _I], None),

@@ -36,7 +36,7 @@ class TensorParallelRunner(ModelRunner):
     """A ModelRunner over one rank's shard. On rank 0 `execute` / `execute_greedy` drive the
     workers; a worker calls `run_step` with what rank 0 sent."""
 
-    use_decode_plan = False  # the batch-1 C plan has no all-reduce between its layers
+    use_decode_plan = False  # the C plan has no all-reduce between its layers
     has_greedy_screen = False  # greedy rows under grammars take the gathered logits (each rank holds a vocabulary shard)
 
     def __init__(self, group: ParallelGroup, model: CausalLM, kv_cache: KVCache, block_size: int,
