@@ -18,3 +18,13 @@ def all_position_logits(loaded, ids: list[int], block_size: int = 16, kv_dtype: 
     input_ids, positions, meta, _ = runner.prepare([StepInput(ids, 0, list(range(blocks)))])
     with torch.inference_mode():
         return loaded.model.compute_logits(loaded.model(input_ids, positions, kv, meta))
+
+
+def hf_forced_logits(hf, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """HF's fp32 logits [len(tokens), vocab] at each generated position, the prompt and the tokens
+    before it given (teacher forcing): one forward instead of HF's token-by-token `generate`,
+    whose greedy tokens are these logits' argmax wherever the argmax leads (0.5 s against ~5 s
+    for 64 tokens of Gemma 3 270M on two cores)."""
+    with torch.no_grad():
+        out = hf(torch.tensor([prompt + tokens]), logits_to_keep=len(tokens) + 1)
+    return out.logits[0, :-1].float()

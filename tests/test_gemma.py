@@ -7,7 +7,7 @@ import torch
 
 from kvserve import SamplingParams
 from tests.conftest import WIKITEXT
-from tests.logits import all_position_logits
+from tests.logits import all_position_logits, hf_forced_logits
 
 TOKENIZER_CASES = [
     "The capital of France is",
@@ -62,16 +62,16 @@ def test_long_prompt_exceeds_sliding_window(gemma):
     assert len(gemma.tokenizer.encode(GREEDY_PROMPTS[-1])) > gemma.config.sliding_window
 
 
-def test_greedy_64_tokens_equal_hf_generate(gemma, gemma_llm, hf_gemma):
+def test_greedy_64_tokens_equal_hf_greedy(gemma, gemma_llm, hf_gemma):
+    """Each of our tokens is HF's argmax given the prompt and our tokens before it (teacher
+    forcing), and a stop is HF's EOS: what HF's greedy `generate` gives, in one forward."""
     params = SamplingParams(temperature=0, max_tokens=64)
     outs = gemma_llm.generate(GREEDY_PROMPTS, params)
     for prompt, out in zip(GREEDY_PROMPTS, outs):
         ids = gemma.tokenizer.encode(prompt)
-        with torch.no_grad():
-            ref = hf_gemma.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                    max_new_tokens=64, do_sample=False)
-        ref_tokens = ref[0, len(ids):].tolist()
+        ref_tokens = hf_forced_logits(hf_gemma, ids, out.token_ids).argmax(-1).tolist()
         assert out.token_ids == ref_tokens, f"{prompt[:40]!r}: ours {out.token_ids} vs HF {ref_tokens}"
+        assert len(out.token_ids) == 64 or out.token_ids[-1] in gemma.tokenizer.eos_token_ids
 
 
 def test_no_kv_cache_gives_same_greedy_tokens(gemma):

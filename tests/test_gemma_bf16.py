@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from tests.logits import all_position_logits
+from tests.logits import all_position_logits, hf_forced_logits
 from tests.test_gemma import GREEDY_PROMPTS
 
 pytestmark = pytest.mark.slow
@@ -39,16 +39,16 @@ def test_bf16_prompt_logits_match_hf_bf16(gemma_bf16, hf_gemma_bf16, prompt):
 
 
 def test_bf16_greedy_follows_hf_bf16(gemma_bf16, hf_gemma_bf16):
-    """Decode attention differs from HF's in rounding only (fp32 sums in the kernel), so greedy
-    paths may part at a near-tie: measured 6 of 8 prompts equal for 32 tokens, the other two
-    parting at tokens 6 and 9. Asserted: >= 6 equal, and every prompt equal for 4 tokens."""
+    """Decode attention differs from HF's in rounding only (fp32 sums in the kernel), so a greedy
+    token may be HF's second at a near-tie. Teacher-forced through HF bf16 (tests/logits.py),
+    every token of 8 prompts x 32 is HF's argmax or within 0.25 of HF's top logit (two bf16 steps
+    at |logit| 16-32; HF's logits are bf16), and at most 8 of the 256 are not its argmax
+    (measured: 1, 0.125 below)."""
     outs = LLM(loaded=gemma_bf16, kv_cache_gib=0.5).generate(GREEDY_PROMPTS, SamplingParams(temperature=0, max_tokens=32))
-    equal = 0
+    parted = 0
     for prompt, out in zip(GREEDY_PROMPTS, outs):
-        ids = gemma_bf16.tokenizer.encode(prompt)
-        with torch.no_grad():
-            ref = hf_gemma_bf16.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids):].tolist()
-        n = min(len(ref), len(out.token_ids))
-        assert out.token_ids[:min(4, n)] == ref[:min(4, n)], repr(prompt[:40])
-        equal += out.token_ids[:n] == ref[:n]
-    assert equal >= 6, f"only {equal} of {len(GREEDY_PROMPTS)} greedy continuations equal HF bf16"
+        logits = hf_forced_logits(hf_gemma_bf16, gemma_bf16.tokenizer.encode(prompt), out.token_ids)
+        gap = logits.max(-1).values - logits.gather(1, torch.tensor(out.token_ids)[:, None]).squeeze(1)
+        assert gap.max() <= 0.25, (prompt[:40], gap.max())
+        parted += int((gap > 0).sum())
+    assert parted <= 8, f"{parted} of {8 * 32} greedy tokens are not HF bf16's argmax"

@@ -25,6 +25,7 @@ from kvserve import LLM, SamplingParams, StructuredOutputsParams
 from kvserve import kernels
 from kvserve.sampling.sampler import Sampler, SamplingRequest
 from kvserve.sampling.structured import GrammarError, build_grammar, tokenizer_info
+from tests.logits import hf_forced_logits
 
 
 PROMPT = "<bos><start_of_turn>user\nDescribe a person as JSON.<end_of_turn>\n<start_of_turn>model\n"
@@ -177,10 +178,11 @@ def test_sampled_json_regex_choice_hold(gemma_llm):
     assert all(c.text in choices for c in out.outputs)  # min_tokens past a one-token choice: the grammar wins
 
 
-def test_greedy_json_equals_hf_generate_under_xgrammar_mask(gemma, gemma_llm, hf_gemma, hf_gemma_tokenizer):
-    """The oracle: HF generate with a logits processor applying xgrammar's mask, from xgrammar's own
-    view of transformers' tokenizer; greedy tokens equal, token for token, from the full logits
-    (logprobs asked) and from the head's screen under the mask (none asked)."""
+def test_greedy_json_equals_hf_greedy_under_xgrammar_mask(gemma, gemma_llm, hf_gemma, hf_gemma_tokenizer):
+    """The oracle: HF's logits with xgrammar's mask applied, from xgrammar's own view of
+    transformers' tokenizer, teacher-forced (tests/logits.py: what HF generate with the mask as a
+    logits processor gives, in one forward); greedy tokens equal, token for token, from the full
+    logits (logprobs asked) and from the head's screen under the mask (none asked)."""
     ids = gemma.tokenizer.encode(PROMPT, add_special_tokens=False)
     out = gemma_llm.generate(ids, SamplingParams(temperature=0, max_tokens=60, logprobs=0,
                                                  structured_outputs=StructuredOutputsParams(json=PERSON)))[0]
@@ -190,28 +192,22 @@ def test_greedy_json_equals_hf_generate_under_xgrammar_mask(gemma, gemma_llm, hf
     grammar = build_grammar(StructuredOutputsParams(json=PERSON))  # the same grammar, another view of the vocabulary
     matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_grammar(grammar))
     bitmask = xgr.allocate_token_bitmask(1, vocab)
-
-    def mask(input_ids, scores):
-        if input_ids.shape[1] > len(ids):
-            assert matcher.accept_token(int(input_ids[0, -1]))
+    raw = hf_forced_logits(hf_gemma, ids, out.token_ids)
+    ref = []
+    for logits, token in zip(raw, out.token_ids):
         matcher.fill_next_token_bitmask(bitmask)
-        xgr.apply_token_bitmask_inplace(scores, bitmask)
-        return scores
-
-    with torch.no_grad():
-        ref = hf_gemma.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                max_new_tokens=60, do_sample=False, logits_processor=[mask],
-                                eos_token_id=gemma.tokenizer.eos_token_ids)
-    assert out.token_ids == ref[0, len(ids):].tolist()
-    assert out.outputs[0].finish_reason == "stop" and _valid(out.text, PERSON)
+        masked = logits.clone()[None]
+        xgr.apply_token_bitmask_inplace(masked, bitmask)
+        ref.append(int(masked.argmax()))
+        assert matcher.accept_token(token)
+    assert out.token_ids == ref
+    assert out.outputs[0].finish_reason == "stop" and _valid(out.text, PERSON) and matcher.is_terminated()
     # Without logprobs the tokens come from the head's screen under the mask (no full logits).
     screened = gemma_llm.generate(ids, SamplingParams(temperature=0, max_tokens=60,
                                                       structured_outputs=StructuredOutputsParams(json=PERSON)))[0]
     assert screened.token_ids == out.token_ids
     # Logprobs are the model's own (the raw logits), not the masked distribution's.
-    with torch.no_grad():
-        raw = hf_gemma(ref).logits[0, len(ids) - 1:-1].float().log_softmax(-1)
-    expected = raw.gather(1, ref[0, len(ids):, None]).squeeze(1)
+    expected = raw.log_softmax(-1).gather(1, torch.tensor(out.token_ids)[:, None]).squeeze(1)
     assert torch.allclose(torch.tensor(out.outputs[0].logprobs), expected, atol=1e-3)
 
 

@@ -34,6 +34,8 @@ from kvserve.weights.linear import QuantLinear
 from kvserve.weights.packing import cpu_int4_block_n
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+# _Lin.kind: the C loop's LIN_* (decode_step.c), which kernel multiplies by the projection
+LIN_PANELS, LIN_INT8, LIN_INT4, LIN_GGML, LIN_GGML_Q8, LIN_HALF = range(6)
 
 
 class _Lin(ctypes.Structure):
@@ -74,8 +76,8 @@ _FUNCTIONS = {"panel_gemm": ("panel_gemm", "panel_gemm"), "int8_gemv": ("lowbit_
               "half_gemv": ("half_gemv", "half_gemv")}
 # Rows of a step a plan takes: as many as each of its projections' kernels takes in the one call
 # the Python path makes (more rows, and a layer multiplies by a dequantized or widened weight).
-_ROW_LIMITS = {0: None, 1: linear.GEMV_MAX_ROWS, 2: linear.GEMV_MAX_ROWS, 3: ggml.GEMV_MAX_ROWS, 4: None,
-               5: half.GEMV_MAX_ROWS}  # by _Lin.kind; None: any number of rows
+_ROW_LIMITS = {LIN_PANELS: None, LIN_INT8: linear.GEMV_MAX_ROWS, LIN_INT4: linear.GEMV_MAX_ROWS,
+               LIN_GGML: ggml.GEMV_MAX_ROWS, LIN_GGML_Q8: None, LIN_HALF: half.GEMV_MAX_ROWS}  # None: any rows
 MAX_ROWS = max(n for n in _ROW_LIMITS.values() if n is not None)  # the most any plan takes
 
 
@@ -105,14 +107,14 @@ def _linear(module: nn.Module | None, panels, keep: list) -> _Lin:
         if not panels.refresh():
             raise _Unsupported("weights no longer fp32 on the CPU")
         keep += [(panels, "packed", panels.packed)] + [(None, None, w) for w in panels.weights]
-        return _Lin(0, panels.rows, panels.weights[0].shape[1], panels.packed.data_ptr(), None, 0, 0, 0)
+        return _Lin(LIN_PANELS, panels.rows, panels.weights[0].shape[1], panels.packed.data_ptr(), None, 0, 0, 0)
     if isinstance(module, QuantLinear) and module._gemv is not None and module.bias is None:
         keep += [(module, "qweight", module.qweight), (module, "_gemv", module._gemv)]
         if module.kernel == "int8":
-            return _Lin(1, module.out_features, module.in_features, module.qweight.data_ptr(),
+            return _Lin(LIN_INT8, module.out_features, module.in_features, module.qweight.data_ptr(),
                         module._gemv.data_ptr(), 0, 0, 0)
         if module.kernel == "int4" and cpu_int4_block_n() in (32, 64) and module.group_size % 2 == 0:
-            return _Lin(2, module.out_features, module.in_features, module.qweight.data_ptr(),
+            return _Lin(LIN_INT4, module.out_features, module.in_features, module.qweight.data_ptr(),
                         module._gemv.data_ptr(), int(module._gemv.dtype == torch.bfloat16), module.group_size,
                         cpu_int4_block_n())
     if isinstance(module, GGMLLinear) and module.bias is None:
@@ -120,11 +122,11 @@ def _linear(module: nn.Module | None, panels, keep: list) -> _Lin:
         order = module.out_order
         if order is not None:
             keep.append((module, "out_order", order))
-        return _Lin(4 if module.int8_path else 3, module.out_features, module.in_features, module.raw.data_ptr(),
-                    None, 0, int(module.ggml_type), 0, module.raw.shape[1], None if order is None else order.data_ptr())
+        return _Lin(LIN_GGML_Q8 if module.int8_path else LIN_GGML, module.out_features, module.in_features,
+                    module.raw.data_ptr(), None, 0, int(module.ggml_type), 0, module.raw.shape[1], None if order is None else order.data_ptr())
     if type(module) is HalfLinear and module.bias is None:
         keep.append((module, "weight", module.weight))
-        return _Lin(5, module.out_features, module.in_features, module.weight.data_ptr(), None,
+        return _Lin(LIN_HALF, module.out_features, module.in_features, module.weight.data_ptr(), None,
                     int(module.weight.dtype == torch.bfloat16), 0, 0)
     raise _Unsupported(f"projection {type(module).__name__} is not on the C kernels")
 
@@ -268,30 +270,38 @@ class DecodePlan:
         """h [M, hidden] after the embedding -> the last layer's output [M, hidden]; None when the
         C loop failed (the caller runs the Python path; nothing it wrote is read)."""
         keep = []  # the step's tensors and chunk arrays stay alive until the call returns
+        rows: dict[int, torch.Tensor] = {}  # id(DecodeBatch) -> its int64 row indices (Ctxs share groups)
         M = h.shape[0]
         for c, (group, window, rope) in zip(self._ctxs, self._ctx_keys):
             gm = meta.for_group(group)
             cos, sin = (t.contiguous() for t in cos_sin[rope])
             keep += [cos, sin]
             c.cos, c.sin, c.slot, c.window = cos.data_ptr(), sin.data_ptr(), gm.slot_mapping.data_ptr(), window or 0
-            self._decode_rows(c, gm.decode, window, M, bool(gm.seqs), keep)
-            chunks = (_Chunk * max(1, len(gm.seqs)))()
-            for chunk, s in zip(chunks, gm.seqs):
-                first_kv = s.first_kv(window)
-                slots = s.ctx_slots[first_kv:]
-                keep.append(slots)
-                chunk.q_start, chunk.q_len, chunk.slots = s.q_start, s.q_len, slots.data_ptr()
-                chunk.n, chunk.first_kv, chunk.first_q = slots.shape[0], first_kv, s.ctx_len - s.q_len
-            keep.append(chunks)
-            c.n_chunks, c.chunks = len(gm.seqs), ctypes.addressof(chunks)
+            self._decode_rows(c, gm.decode, window, M, bool(gm.seqs), rows, keep)
+            c.n_chunks, c.chunks = len(gm.seqs), self._chunks(gm.seqs, window, keep) if gm.seqs else None
         self._step.threads = torch.get_num_threads()
         out = h.contiguous().clone()
         rc = self._fn(ctypes.byref(self._step), self._layers, self._ctxs, len(self._layers), M, out.data_ptr())
         return out if rc == 0 else None
 
-    def _decode_rows(self, c: _Ctx, batch, window: int | None, M: int, chunks: bool, keep: list) -> None:
+    @staticmethod
+    def _chunks(seqs: list, window: int | None, keep: list) -> int:
+        """The address of a _Chunk array describing each sequence's chunk of query rows."""
+        chunks = (_Chunk * len(seqs))()
+        for chunk, s in zip(chunks, seqs):
+            first_kv = s.first_kv(window)
+            slots = s.ctx_slots[first_kv:]
+            keep.append(slots)
+            chunk.q_start, chunk.q_len, chunk.slots = s.q_start, s.q_len, slots.data_ptr()
+            chunk.n, chunk.first_kv, chunk.first_q = slots.shape[0], first_kv, s.ctx_len - s.q_len
+        keep.append(chunks)
+        return ctypes.addressof(chunks)
+
+    def _decode_rows(self, c: _Ctx, batch, window: int | None, M: int, chunks: bool, rows: dict,
+                     keep: list) -> None:
         """The Ctx's decode rows from the group's DecodeBatch (None: none); their row indices go
-        along only when the step has other rows (then the kernel gathers them, as _decode does)."""
+        along only when the step has other rows (then the kernel gathers them, as _decode does),
+        converted once a step (`rows`, by batch: Ctxs of one KV group share it)."""
         if batch is None:
             c.n_dec = 0
             return
@@ -303,9 +313,10 @@ class DecodePlan:
         c.max_len = batch.max_len if batch.max_len is not None else int(batch.lens.max())
         c.dec_rows = None
         if chunks or c.n_dec != M:
-            rows = batch.rows.to(torch.int64).contiguous()
-            keep.append(rows)
-            c.dec_rows = rows.data_ptr()
+            if id(batch) not in rows:
+                rows[id(batch)] = batch.rows.to(torch.int64).contiguous()
+                keep.append(rows[id(batch)])
+            c.dec_rows = rows[id(batch)].data_ptr()
         self._step.block_size = batch.block_size
 
 
