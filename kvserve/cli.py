@@ -85,6 +85,9 @@ def _add_speculative_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative", choices=["ngram", "draft", "self"], default=None,
                    help="proposer: ngram (prompt lookup), draft (--speculative-model), self (a cheaper copy of the target)")
     g.add_argument("--num-speculative-tokens", type=int, default=4, help="k tokens proposed and verified per step")
+    g.add_argument("--num-speculative-tokens-schedule", choices=["constant", "heuristic"], default="constant",
+                   help="constant: k every step; heuristic: each sequence's own k, +2 after a step that kept all "
+                        "its drafts, -1 after one that did not, within 1..k (HF transformers' schedule)")
     g.add_argument("--speculative-model", default=None, help="draft model (GGUF or HF folder) sharing the tokenizer")
     g.add_argument("--ngram-min", type=int, default=1, help="shortest suffix n-gram to look up")
     g.add_argument("--ngram-max", type=int, default=4, help="longest suffix n-gram to look up (tried first)")
@@ -101,6 +104,7 @@ def decoding_config(args: argparse.Namespace) -> dict:
     return dict(allow_download=args.allow_download, block_size=args.block_size,
                 enable_prefix_caching=args.enable_prefix_caching,
                 speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+                num_speculative_tokens_schedule=args.num_speculative_tokens_schedule,
                 speculative_model=args.speculative_model, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
                 self_draft_layers=args.self_draft_layers, self_draft_dtype=args.self_draft_dtype,
                 self_draft_bits=args.self_draft_bits,
@@ -309,7 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp = bench.add_parser("spec", help="speculative decoding vs plain decoding: acceptance, tok/s, speedup per k")
     sp.add_argument("--model", default=None)
     sp.add_argument("--dtype", default="float32")
-    sp.add_argument("--proposers", default="ngram,self", help="comma list of ngram, self (bf16 copy), self-int4, self-int8 (RTN copies), draft")
+    sp.add_argument("--proposers", default="ngram,self",
+                    help="comma list of ngram, self (bf16 copy), self-int4, self-int8 (RTN copies), draft; "
+                         "NAME+heuristic: the heuristic draft-length schedule, k at most")
     sp.add_argument("--k", type=_int_list, default=[1, 2, 4, 6, 8], help="comma list of speculative token counts")
     sp.add_argument("--batch", type=_int_list, default=[1, 8], help="comma list of batch sizes")
     sp.add_argument("--workload", default="grounded", help="grounded (repeat / summarize a document) or free")

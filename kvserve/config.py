@@ -18,6 +18,10 @@ from kvserve.reasoning import PARSERS as REASONING_PARSERS
 
 DEVICES = ("cpu", "cuda")
 SPECULATIVE = ("ngram", "draft", "self")
+# How many draft tokens a sequence asks for: always num_speculative_tokens, or HF transformers'
+# assisted-generation heuristic (+2 after a step that kept every draft, -1 after one that did
+# not; between 1 and num_speculative_tokens)
+SPEC_SCHEDULES = ("constant", "heuristic")
 WEIGHTS = ("float", "int8", "int4", "gguf")
 GGUF_ACTIVATIONS = ("int8", "float")
 # Multi-step decoding unrolls this many steps into every captured graph (start-up time and graph
@@ -119,6 +123,7 @@ class SpeculativeConfig:
     self_draft_dtype: str | None = None
     self_draft_layers: int | None = None
     self_draft_bits: int | None = None
+    num_speculative_tokens_schedule: str = "constant"
 
     def __post_init__(self) -> None:
         if self.speculative is not None and self.speculative not in SPECULATIVE:
@@ -139,6 +144,9 @@ class SpeculativeConfig:
             raise ValueError("speculative_model is required with speculative='draft' (a GGUF file or HF folder)")
         if self.speculative_model is not None and self.speculative != "draft":
             raise ValueError("speculative_model is only used with speculative='draft'")
+        if self.num_speculative_tokens_schedule not in SPEC_SCHEDULES:
+            raise ValueError(f"num_speculative_tokens_schedule must be one of {SPEC_SCHEDULES}, "
+                             f"got {self.num_speculative_tokens_schedule!r}")
 
     @property
     def enabled(self) -> bool:
@@ -254,6 +262,9 @@ class EngineConfig:
     # the tokenizer) or "self" (the target's own first layers: early exit).
     speculative: str | None = None
     num_speculative_tokens: int = 4  # k: tokens proposed (and verified in one pass) per step
+    # "constant": k every step; "heuristic": each sequence's own k, +2 after a step that kept all
+    # its drafts, -1 after one that did not (1..k; HF transformers' num_assistant_tokens_schedule)
+    num_speculative_tokens_schedule: str = "constant"
     speculative_model: str | None = None  # the draft model for speculative="draft"
     ngram_min: int = 1  # prompt lookup: shortest suffix n-gram to match
     ngram_max: int = 4  # longest suffix n-gram to match (tried first)

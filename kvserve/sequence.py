@@ -67,6 +67,9 @@ class Sequence:
     # Speculative decoding. The engine sets how many draft tokens this sequence may be verified
     # with next step (0 = plain decoding); the scheduler reserves that many extra slots.
     max_spec_tokens: int = 0
+    # Its own draft length under the "heuristic" schedule (None: num_speculative_tokens, not yet
+    # adjusted); see SpeculativeDecoder.budget.
+    spec_k: int | None = None
     # Tokens whose K/V the draft model's own cache holds (None = no separate draft cache). A
     # block is registered in the prefix cache only once both caches hold it.
     num_draft_computed: int | None = None

@@ -158,8 +158,9 @@ def test_bad_request_in_batch_queues_nothing(small_llm):
 
 def test_output_capped_by_context(small_llm):
     """A request that would run past max_model_len stops with finish_reason 'length'."""
-    prompt = "word " * 200
+    prompt = "word " * 240  # ~240 tokens: 200 more would pass 256 within a few steps
     n_prompt = len(small_llm.tokenizer.encode(prompt))
+    assert n_prompt < 256 - 8
     out = small_llm.generate(prompt, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))[0]
     assert out.outputs[0].finish_reason == "length"
     assert n_prompt + len(out.token_ids) == 256

@@ -9,9 +9,11 @@ import random
 import pytest
 import torch
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM, SamplingParams, cli
+from kvserve.config import EngineConfig
 from kvserve.engine.block_manager import BlockManager
 from kvserve.loading.loader import default_model_path
+from kvserve.speculative.decoder import next_draft_length
 from kvserve.speculative.proposers import Draft
 from tests.conftest import WIKITEXT
 from tests.logits import all_position_logits
@@ -62,6 +64,7 @@ SPEC_CONFIGS = {
                             self_draft_dtype="float32"),
     "self-int4": dict(speculative="self", num_speculative_tokens=3, self_draft_bits=4),
     "draft": dict(speculative="draft", num_speculative_tokens=5, speculative_model=None),  # path filled below
+    "ngram-heuristic": dict(speculative="ngram", num_speculative_tokens=6, num_speculative_tokens_schedule="heuristic"),
 }
 
 
@@ -96,6 +99,45 @@ def test_ngram_fewer_steps_on_an_input_grounded_prompt(gemma):
     for _ in llm.stream(PROMPTS[0], params):
         steps += 1
     assert steps < 48 * 0.6  # most steps emit several tokens
+
+
+class RecordingDrafter:
+    """Proposes the given continuation (the plain greedy tokens) from each sequence's position, or
+    random ids where `wrong`; records the draft lengths asked for."""
+
+    def __init__(self, continuation: list[int], wrong: bool):
+        self.continuation, self.wrong, self.ks = continuation, wrong, []
+        self.random = RandomDrafter(262144)
+
+    def propose(self, seqs, ks):
+        self.ks += ks
+        if self.wrong:
+            return self.random.propose(seqs, ks)
+        return [Draft(self.continuation[len(s.output_token_ids):][:k]) for s, k in zip(seqs, ks)]
+
+
+@pytest.mark.parametrize("schedule", ["constant", "heuristic"])
+@pytest.mark.parametrize("wrong", [True, False], ids=["rejected", "accepted"])
+def test_heuristic_schedule_shortens_rejected_drafts_and_keeps_accepted_ones(gemma, schedule, wrong):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = LLM(loaded=gemma, kv_cache_gib=0.1).generate(PROMPTS[2], params)[0].token_ids
+    llm = LLM(loaded=gemma, kv_cache_gib=0.1, speculative="ngram", num_speculative_tokens=4,
+              num_speculative_tokens_schedule=schedule)
+    llm.engine.drafter = drafter = RecordingDrafter(want, wrong)
+    assert llm.generate(PROMPTS[2], params)[0].token_ids == want
+    stats = llm.engine.stats()
+    assert (stats["spec_num_accepted_tokens"] == stats["spec_num_draft_tokens"]) == (not wrong)
+    if schedule == "constant" or not wrong:  # k each step (fewer only where max_tokens is near)
+        assert drafter.ks[:3] == [4, 4, 4]
+    else:  # one fewer after each rejection, never below one
+        assert drafter.ks[:6] == [4, 3, 2, 1, 1, 1]
+    _drained(llm)
+
+
+@pytest.mark.parametrize("k, drafted, accepted, after", [
+    (4, 4, 4, 4), (2, 2, 2, 4), (3, 3, 3, 4), (4, 4, 3, 3), (1, 1, 0, 1), (3, 2, 2, 4), (3, 0, 0, 3)])
+def test_next_draft_length(k, drafted, accepted, after):
+    assert next_draft_length(k, drafted, accepted, max_k=4) == after
 
 
 # ----------------------------------------------------------------- output distribution
@@ -199,12 +241,23 @@ def test_bad_speculative_configs_name_the_field(gemma, tmp_path):
         LLM(loaded=gemma, speculative="ngram", num_speculative_tokens=0)
     with pytest.raises(ValueError, match="ngram_min"):
         LLM(loaded=gemma, speculative="ngram", ngram_min=4, ngram_max=2)
+    with pytest.raises(ValueError, match="num_speculative_tokens_schedule"):
+        LLM(loaded=gemma, speculative="ngram", num_speculative_tokens_schedule="dynamic")
     with pytest.raises(ValueError, match="self_draft_layers"):
         LLM(loaded=gemma, speculative="self", self_draft_layers=18, self_draft_dtype="float32")
     with pytest.raises(ValueError, match="use_kv_cache"):
         LLM(loaded=gemma, speculative="ngram", use_kv_cache=False)
     with pytest.raises(Exception, match="no such file"):
         LLM(loaded=gemma, speculative="draft", speculative_model=str(tmp_path / "missing.gguf"))
+
+
+@pytest.mark.parametrize("command", [["generate", "hello"], ["serve"]])
+def test_cli_schedule_flag_reaches_the_speculative_config(command):
+    args = cli.build_parser().parse_args(command + ["--speculative", "ngram"])
+    assert EngineConfig(**cli.decoding_config(args)).speculative_config.num_speculative_tokens_schedule == "constant"
+    args = cli.build_parser().parse_args(command + ["--speculative", "ngram", "--num-speculative-tokens-schedule",
+                                                    "heuristic"])
+    assert EngineConfig(**cli.decoding_config(args)).speculative_config.num_speculative_tokens_schedule == "heuristic"
 
 
 def test_draft_with_another_vocabulary_is_refused(gemma, tmp_path):

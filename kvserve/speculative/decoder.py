@@ -137,7 +137,8 @@ class SpeculativeDecoder:
         drafts before it.)"""
         if self.drafter is None or seq.reasoning_grammar is not None:
             return 0  # (drafts past </think> would be verified without the grammar's mask)
-        return seq.lookahead_limit(self.config.speculative_config.num_speculative_tokens, max_model_len)
+        k = self.config.speculative_config.num_speculative_tokens
+        return seq.lookahead_limit(k if seq.spec_k is None else seq.spec_k, max_model_len)
 
     # ---------------------------------------------------------------- per step
     def copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
@@ -216,6 +217,20 @@ class SpeculativeDecoder:
         st["num_drafts"] += 1
         st["num_draft_tokens"] += item.num_spec
         st["num_accepted_tokens"] += accepted
+        spec = self.config.speculative_config
+        if spec.num_speculative_tokens_schedule == "heuristic":
+            item.seq.spec_k = next_draft_length(item.seq.spec_k or spec.num_speculative_tokens, item.num_spec,
+                                                accepted, spec.num_speculative_tokens)
+
+
+def next_draft_length(k: int, drafted: int, accepted: int, max_k: int) -> int:
+    """HF transformers' heuristic draft length: 2 more after a step that kept every draft (a
+    longer draft would likely have paid), 1 fewer after one that rejected any (the verification's
+    extra rows were partly wasted); between 1 and max_k. A step that proposed nothing (no n-gram
+    match) says nothing about the drafts, and leaves k."""
+    if drafted == 0:
+        return k
+    return min(max_k, k + 2) if accepted == drafted else max(1, k - 1)
 
 
 def under_grammar(draft: Draft, grammar: GrammarState, vocab_size: int) -> None:

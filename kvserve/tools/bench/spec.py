@@ -57,14 +57,17 @@ class SpecRun:
 
 
 PROPOSERS = ("ngram", "self", "self-int4", "self-int8", "draft")
+HEURISTIC = "+heuristic"  # a proposer's suffix: k as the most of each sequence's heuristic draft length
 
 
 def _engine_args(proposer: str, k: int, draft_model: str | None) -> dict:
     if proposer == "plain":
         return {}
+    schedule = "heuristic" if proposer.endswith(HEURISTIC) else "constant"
+    proposer = proposer.removesuffix(HEURISTIC)
+    args = dict(speculative=proposer, num_speculative_tokens=k, num_speculative_tokens_schedule=schedule)
     if proposer in ("self-int4", "self-int8"):  # the target's RTN copy as its draft
-        return dict(speculative="self", num_speculative_tokens=k, self_draft_bits=int(proposer[-1]))
-    args = dict(speculative=proposer, num_speculative_tokens=k)
+        args.update(speculative="self", self_draft_bits=int(proposer[-1]))
     if proposer == "draft":
         args["speculative_model"] = draft_model
     return args
@@ -158,9 +161,10 @@ def main(args) -> int:
         raise ValueError(f"--workload must be one of {WORKLOADS}, got {args.workload!r}")
     proposers = [p.strip() for p in args.proposers.split(",") if p.strip()]
     for p in proposers:
-        if p not in PROPOSERS:
-            raise ValueError(f"--proposers: unknown proposer {p!r} ({', '.join(PROPOSERS)})")
-    if "draft" in proposers and not args.speculative_model:
+        if p.removesuffix(HEURISTIC) not in PROPOSERS:
+            raise ValueError(f"--proposers: unknown proposer {p!r} ({', '.join(PROPOSERS)}, each optionally "
+                             f"with {HEURISTIC})")
+    if any(p.removesuffix(HEURISTIC) == "draft" for p in proposers) and not args.speculative_model:
         raise ValueError("--proposers draft needs --speculative-model")
     path = Path(args.dataset_path) if args.dataset_path else default_wikitext_path()
     if not path.is_file():
