@@ -6,6 +6,8 @@ import json
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvserve.loading import load_model
 from tests.server_harness import live_server, make_engine
@@ -221,6 +223,34 @@ def test_api_key_required(tiny_llama):
         for open_path in ("/health", "/metrics", "/stats"):  # probes and dashboards carry no key
             assert http.get(open_path).status_code == 200
         assert srv.wait_pool_full(10)
+
+
+# Any JSON value in the fields the two routes read, beside a valid body's own
+_ANY = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-3, 40), st.integers(-2**70, 2**70),
+              st.floats(-3, 3), st.floats(allow_nan=False), st.text(max_size=8)),
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)),
+    max_leaves=6)
+_FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+           "min_p", "n", "stop", "stop_token_ids", "logprobs", "top_logprobs", "prompt_logprobs", "echo", "seed",
+           "logit_bias", "stream", "stream_options", "min_tokens", "presence_penalty", "frequency_penalty",
+           "repetition_penalty", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
+           "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+           "response_format", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
+           "add_generation_prompt", "continue_final_message", "cache_salt", "suffix", "user"]
+
+
+@settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(path=st.sampled_from([C, CHAT]), fields=st.dictionaries(st.sampled_from(_FIELDS), _ANY, max_size=3))
+def test_random_fields_get_a_reply_or_an_openai_error(http, path, fields):
+    """Whatever the values: a reply, or a 4xx in OpenAI's shape; never a 500 (the pool is checked
+    whole by the last test)."""
+    body = {**(_comp() if path == C else _chat()), **fields}
+    resp = http.post(path, json=body)
+    if resp.status_code == 200:
+        assert resp.text.startswith("data: ") if body.get("stream") is True else resp.json()["choices"]
+    else:
+        _assert_openai_error(resp, resp.status_code if resp.status_code in (400, 404) else 400, None)
 
 
 def test_server_survives_and_pool_is_full(http, server):
