@@ -101,6 +101,31 @@ def test_ngram_fewer_steps_on_an_input_grounded_prompt(gemma):
     assert steps < 48 * 0.6  # most steps emit several tokens
 
 
+@pytest.mark.parametrize("cfg", [dict(speculative="ngram", num_speculative_tokens=4),
+                                 dict(speculative="self", num_speculative_tokens=3)], ids=["ngram", "self-bf16"])
+def test_drafts_cut_to_keep_penalized_steps_on_the_screen(gemma, cfg):
+    """Four penalized greedy requests, k drafts each, would verify 4 (k + 1) > 8 rows on the full
+    head; the drafts are cut to 8 rows so the step keeps the head's top-k screen (a separate
+    draft pool then holds only the kept drafts' K/V). Tokens equal plain decoding."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.1)
+    prompts = [PROMPTS[0], PROMPTS[3], SYSTEM + DOC[:300] + "\n\nRepeat the document above:\n", PROMPTS[1]]
+    want = [o.token_ids for o in LLM(loaded=gemma, kv_cache_gib=0.25).generate(prompts, params)]
+    llm = LLM(loaded=gemma, kv_cache_gib=0.25, **cfg)
+    drafter = llm.engine.drafter
+    asked, rows, runner = [], [], llm.engine.runner
+    llm.engine.drafter = type("Spy", (), {"propose": lambda self, seqs, ks: (asked.append(list(ks)),
+                                                                             drafter.propose(seqs, ks))[1]})()
+    execute_top_k, execute = runner.execute_top_k, runner.execute
+    runner.execute_top_k = lambda inputs, *a: (rows.append(("screen", sum(i.num_logits for i in inputs))),
+                                               execute_top_k(inputs, *a))[1]
+    runner.execute = lambda inputs: (rows.append(("full", sum(i.num_logits for i in inputs))), execute(inputs))[1]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert any(len(ks) == 4 and sum(ks) > 4 for ks in asked)  # drafts past 8 rows were asked for ...
+    decodes = [r for r in rows if r[1] > 1]
+    assert decodes and all(r == ("screen", 8) for r in decodes if r[1] >= 8), rows  # ... and cut to fit in them
+    _drained(llm)
+
+
 class RecordingDrafter:
     """Proposes the given continuation (the plain greedy tokens) from each sequence's position, or
     random ids where `wrong`; records the draft lengths asked for."""

@@ -172,6 +172,31 @@ def top_k_rows(b: StepBatch, sampler: Sampler, vocab_size: int, drafts: dict[int
     return sampler.screened_top_k(requests, vocab_size, max_k, max_touched)
 
 
+def fit_drafts_to_screen(sched: SchedulerOutput, drafts: dict[int, Draft], sampler: Sampler, vocab_size: int,
+                         max_k: int, max_rows: int) -> None:
+    """Cut the drafts that would carry a step past the head's top-k screen (more than max_rows
+    logit rows) where, without them, every row would take it: the longest drafts lose their last
+    tokens first until the step fits. Past the screen, every row of a penalized or top-k step pays
+    the full fp32 head and the body more rows, which mostly rejected drafts do not pay back
+    (docs/BENCHMARKS.md); the tokens are the same either way."""
+    items = [it for it in sched.scheduled if it.needs_logits]
+    rows = sum(it.num_logits for it in items)
+    if rows <= max_rows or len(items) > max_rows or not any(it.num_spec for it in items):
+        return
+    if sampler.screen_ks([sampling_request(it.seq) for it in items], vocab_size, max_k) is None:
+        return
+    drafted = [it for it in items if it.num_spec]
+    for _ in range(rows - max_rows):  # one token off the longest draft at a time
+        longest = max(drafted, key=lambda it: it.num_spec)
+        longest.num_spec -= 1
+        longest.num_tokens -= 1
+    for it in drafted:
+        drafts[id(it)].truncate(it.num_spec)
+        seq = it.seq
+        if seq.num_draft_computed is not None:  # a draft pool holds only the kept drafts' K/V as the sequence's
+            seq.num_draft_computed = min(seq.num_draft_computed, seq.num_tokens + it.num_spec - 1)
+
+
 def sampling_groups(rows: list[int], samplers: list[Sequence]) -> list[tuple[list[int], list[Sequence]]]:
     """(logits rows, sequences) to sample together: every sequence with a row of its own in
     one batch, then the samples forked from one parent a parent at a time, each from the

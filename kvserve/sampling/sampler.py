@@ -339,6 +339,20 @@ class Sampler:
         with the masks (`token_bitmask`), without the logits."""
         return all(_argmax_row(r) for r in requests)
 
+    @staticmethod
+    def screen_ks(requests: list[SamplingRequest], vocab_size: int, max_k: int) -> list[int] | None:
+        """Each row's k where `screened_top_k` may serve the rows, its touched tokens not yet
+        counted; else None."""
+        ks = []
+        for r in requests:
+            if r.grammar is not None or r.params.logprobs is not None:
+                return None
+            k = 1 if r.params.greedy else r.params.top_k
+            if not 0 < k <= min(max_k, vocab_size - 1):
+                return None
+            ks.append(k)
+        return None if all(_plain_greedy(r) for r in requests) else ks
+
     def screened_top_k(self, requests: list[SamplingRequest], vocab_size: int, max_k: int, max_touched: int
                        ) -> ScreenedRows | None:
         """Where every row draws from its few largest logits alone: greedy rows (k = 1) and random
@@ -347,15 +361,8 @@ class Sampler:
         each row's k and its touched tokens, at most max_touched in all (each costs an exact
         logit), so that the engine may compute only those logits (kvserve/accel/greedy_head.py);
         else None."""
-        ks = []
-        for r in requests:  # the cheap checks first: most steps that fail them fail here
-            if r.grammar is not None or r.params.logprobs is not None:
-                return None
-            k = 1 if r.params.greedy else r.params.top_k
-            if not 0 < k <= min(max_k, vocab_size - 1):
-                return None
-            ks.append(k)
-        if all(_plain_greedy(r) for r in requests):
+        ks = self.screen_ks(requests, vocab_size, max_k)  # the cheap checks first: most steps fail here
+        if ks is None:
             return None
         touched: list[list[int]] = []
         budget = max_touched

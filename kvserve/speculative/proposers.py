@@ -35,6 +35,14 @@ class Draft:
     # verified position (`GrammarState.draft_masks`); None = every token.
     allowed: torch.Tensor | None = None
 
+    def truncate(self, n: int) -> None:
+        """Keep the first n draft tokens (their probabilities and the masks of their n + 1 rows)."""
+        del self.token_ids[n:]
+        if self.probs is not None:
+            self.probs = self.probs[:n]
+        if self.allowed is not None:
+            self.allowed = self.allowed[:n + 1]
+
 
 class Drafter(Protocol):
     def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[Draft]:
