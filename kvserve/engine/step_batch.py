@@ -193,7 +193,7 @@ def fit_drafts_to_screen(sched: SchedulerOutput, drafts: dict[int, Draft], sampl
     for it in drafted:
         drafts[id(it)].truncate(it.num_spec)
         seq = it.seq
-        if seq.num_draft_computed is not None:  # a draft pool holds only the kept drafts' K/V as the sequence's
+        if seq.num_draft_computed is not None:  # a draft pool's K/V past the kept drafts is not the sequence's
             seq.num_draft_computed = min(seq.num_draft_computed, seq.num_tokens + it.num_spec - 1)
 
 
