@@ -335,10 +335,9 @@ class LLMEngine:
         if self.config.num_scheduler_steps > 1 and self._execute_steps(sched, touched):
             return
         drafts = self.spec_decoder.propose(sched)
-        max_k, max_rows, _ = self.runner.screen_top_k
-        if drafts and max_rows:
-            step_batch.fit_drafts_to_screen(sched, drafts, self.sampler, self.runner.model.config.vocab_size, max_k,
-                                            max_rows)
+        if drafts and (limits := self.runner.screen_top_k)[1]:
+            step_batch.fit_drafts_to_screen(sched, drafts, self.sampler, self.runner.model.config.vocab_size,
+                                            *limits[:2])
         batch = step_batch.build_batch(sched, drafts, self.clock())
         self.num_prompt_tokens_computed += batch.num_prompt_tokens
         samplers, rows, picked = batch.samplers, batch.rows, None

@@ -137,8 +137,11 @@ class SpeculativeDecoder:
         drafts before it.)"""
         if self.drafter is None or seq.reasoning_grammar is not None:
             return 0  # (drafts past </think> would be verified without the grammar's mask)
-        k = self.config.speculative_config.num_speculative_tokens
-        return seq.lookahead_limit(k if seq.spec_k is None else seq.spec_k, max_model_len)
+        return seq.lookahead_limit(self._draft_length(seq), max_model_len)
+
+    def _draft_length(self, seq: Sequence) -> int:
+        """seq's own k under the heuristic schedule, once adjusted; else num_speculative_tokens."""
+        return self.config.speculative_config.num_speculative_tokens if seq.spec_k is None else seq.spec_k
 
     # ---------------------------------------------------------------- per step
     def copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
@@ -156,7 +159,7 @@ class SpeculativeDecoder:
         drafts = self.drafter.propose([it.seq for it in items], [it.num_spec for it in items])
         out = {}
         for it, d in zip(items, drafts):
-            del d.token_ids[it.num_spec:]
+            d.truncate(it.num_spec)
             if it.seq.grammar is not None:
                 under_grammar(d, it.seq.grammar, self.vocab_size)
             it.num_spec = len(d.token_ids)
@@ -219,8 +222,8 @@ class SpeculativeDecoder:
         st["num_accepted_tokens"] += accepted
         spec = self.config.speculative_config
         if spec.num_speculative_tokens_schedule == "heuristic":
-            item.seq.spec_k = next_draft_length(item.seq.spec_k or spec.num_speculative_tokens, item.num_spec,
-                                                accepted, spec.num_speculative_tokens)
+            item.seq.spec_k = next_draft_length(self._draft_length(item.seq), item.num_spec, accepted,
+                                                spec.num_speculative_tokens)
 
 
 def next_draft_length(k: int, drafted: int, accepted: int, max_k: int) -> int:
