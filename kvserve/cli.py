@@ -96,6 +96,9 @@ def _add_speculative_args(p: argparse.ArgumentParser) -> None:
                    help="self draft: a copy of the target in this dtype (default bfloat16 for a float32 target)")
     g.add_argument("--self-draft-bits", type=int, choices=[4, 8], default=None,
                    help="self draft: an RTN int4 (g128) / int8 copy of the target, LM head included")
+    g.add_argument("--draft-vocab", default=None,
+                   help="self / draft model: its head scores only the tokens of this file (from `kvserve draft-vocab`)")
+    g.add_argument("--draft-vocab-size", type=int, default=None, help="keep the first N ids of --draft-vocab")
 
 
 def decoding_config(args: argparse.Namespace) -> dict:
@@ -107,7 +110,8 @@ def decoding_config(args: argparse.Namespace) -> dict:
                 num_speculative_tokens_schedule=args.num_speculative_tokens_schedule,
                 speculative_model=args.speculative_model, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
                 self_draft_layers=args.self_draft_layers, self_draft_dtype=args.self_draft_dtype,
-                self_draft_bits=args.self_draft_bits,
+                self_draft_bits=args.self_draft_bits, draft_vocab=args.draft_vocab,
+                draft_vocab_size=args.draft_vocab_size,
                 attention_sinks=args.attention_sinks, streaming_window=args.streaming_window,
                 kv_cache_dtype=args.kv_cache_dtype, weights=args.weights, gguf_activations=args.gguf_activations,
                 gguf_mmap=args.gguf_mmap, pack_weights=args.pack_weights,
@@ -270,6 +274,12 @@ def _add_distill_parser(sub) -> None:
     add_distill_parser(sub)
 
 
+def _add_draft_vocab_parser(sub) -> None:
+    from kvserve.tools.draft_vocab import add_draft_vocab_parser
+
+    add_draft_vocab_parser(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description="A small LLM inference engine.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -285,6 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_prune_parser(sub)
     _add_distill_parser(sub)
     _add_convert_parser(sub)
+    _add_draft_vocab_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     from kvserve.tools.bench.throughput import INPUT_RANGE, OUTPUT_RANGE
@@ -314,8 +325,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--model", default=None)
     sp.add_argument("--dtype", default="float32")
     sp.add_argument("--proposers", default="ngram,self",
-                    help="comma list of ngram, self (bf16 copy), self-int4, self-int8 (RTN copies), draft; "
-                         "NAME+heuristic: the heuristic draft-length schedule, k at most")
+                    help="comma list of ngram, self (bf16 copy), self-int4, self-int8 (RTN copies), self-exitN "
+                         "(the target's first N layers), draft; NAME+vocab: a model draft's head over --draft-vocab; "
+                         "then +heuristic: the heuristic draft-length schedule, k at most")
+    sp.add_argument("--draft-vocab", default=None, help="the +vocab proposers' token subset (kvserve draft-vocab)")
+    sp.add_argument("--weights", choices=["float", "gguf"], default="float",
+                    help="the target's weights: float (--dtype) or gguf (a GGUF file's own blocks)")
     sp.add_argument("--k", type=_int_list, default=[1, 2, 4, 6, 8], help="comma list of speculative token counts")
     sp.add_argument("--batch", type=_int_list, default=[1, 8], help="comma list of batch sizes")
     sp.add_argument("--workload", default="grounded", help="grounded (repeat / summarize a document) or free")
@@ -501,6 +516,12 @@ def cmd_distill(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_draft_vocab(args: argparse.Namespace) -> int:
+    from kvserve.tools.draft_vocab import run
+
+    return run(args)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvserve.config import EngineConfig
     from kvserve.server.launch import ServeOptions, resolve_api_key, serve
@@ -545,7 +566,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         commands = {"generate": cmd_generate, "bench": cmd_bench, "serve": cmd_serve, "eval": cmd_eval,
                     "roofline": cmd_roofline, "quantize": cmd_quantize,
-                    "prune": cmd_prune, "distill": cmd_distill, "convert": cmd_convert}
+                    "prune": cmd_prune, "distill": cmd_distill, "convert": cmd_convert,
+                    "draft-vocab": cmd_draft_vocab}
         return commands[args.command](args)
     except ValueError as e:  # bad input (ModelLoadError is a ValueError): a message, no traceback
         print(f"kvserve: error: {e}", file=sys.stderr)

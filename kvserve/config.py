@@ -124,6 +124,8 @@ class SpeculativeConfig:
     self_draft_layers: int | None = None
     self_draft_bits: int | None = None
     num_speculative_tokens_schedule: str = "constant"
+    draft_vocab: str | None = None
+    draft_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.speculative is not None and self.speculative not in SPECULATIVE:
@@ -147,6 +149,11 @@ class SpeculativeConfig:
         if self.num_speculative_tokens_schedule not in SPEC_SCHEDULES:
             raise ValueError(f"num_speculative_tokens_schedule must be one of {SPEC_SCHEDULES}, "
                              f"got {self.num_speculative_tokens_schedule!r}")
+        _positive_int(self, "draft_vocab_size", optional=True)
+        if self.draft_vocab_size is not None and self.draft_vocab is None:
+            raise ValueError("draft_vocab_size keeps the first N ids of a draft_vocab file: give draft_vocab too")
+        if self.draft_vocab is not None and self.speculative not in ("self", "draft"):
+            raise ValueError("draft_vocab is only used with a draft model (speculative='self' or 'draft')")
 
     @property
     def enabled(self) -> bool:
@@ -276,6 +283,12 @@ class EngineConfig:
     # speculative="self": a low-bit copy instead (the lecture's compressed model as its own
     # draft): RTN int4 (group 128) or int8 (per channel) of every linear, the LM head included.
     self_draft_bits: int | None = None
+    # speculative="self" or "draft": the draft's head scores only the tokens of this file (JSON
+    # from `kvserve draft-vocab`: ids ranked by their frequency in a corpus), its first
+    # draft_vocab_size of them when given. The head of a large vocabulary is most of a small
+    # draft's step; drafts then never propose a token outside the subset, and stay lossless.
+    draft_vocab: str | None = None
+    draft_vocab_size: int | None = None
     # StreamingLLM: every layer keeps the first `attention_sinks` tokens plus the last
     # `streaming_window` (a sliding layer: its last min(native window, sinks + window), no
     # sinks); keys are rotated by their rank in that cache, so generation can run past the
@@ -366,9 +379,11 @@ class EngineConfig:
         if self.weights == "gguf" and self.model is not None and not _may_name_a_gguf(self.model):
             raise ValueError(f"weights 'gguf' reads a GGUF file's own blocks: model must be a .gguf file, "
                              f"got {str(self.model)!r}")
-        if self.weights != "float" and self.speculative == "self":
-            raise ValueError(f"speculative='self' builds its own draft copy from float weights; it does not "
-                             f"combine with weights {self.weights!r} (use self_draft_bits for a low-bit draft)")
+        copy = self.self_draft_bits is not None or self.self_draft_dtype not in (None, self.compute_dtype)
+        if self.weights != "float" and self.speculative == "self" and copy:
+            raise ValueError(f"speculative='self' with weights {self.weights!r} drafts on the target's own layers "
+                             f"(self_draft_layers, or all of them with a draft_vocab): self_draft_dtype / "
+                             f"self_draft_bits would build a copy from float weights")
         if self.num_scheduler_steps > 1 and self.speculative is not None:
             raise ValueError(f"num_scheduler_steps {self.num_scheduler_steps} and speculative "
                              f"{self.speculative!r} both decode several tokens a step: use one of them")

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from kvserve.cli import main
+from kvserve.speculative.draft_vocab import write_draft_vocab
 from kvserve.tools.bench.spec import SpecRun, make_prompts, speedups
 from tests.conftest import WIKITEXT
 from tests.tiny_models import make_model
@@ -13,14 +14,18 @@ from tests.tiny_models import make_model
 
 def test_bench_spec_runs_side_by_side_and_writes_json_and_plot(tmp_path, capsys):
     make_model("llama", tmp_path / "tiny")
+    vocab = json.loads((tmp_path / "tiny" / "config.json").read_text())["vocab_size"]
+    write_draft_vocab(tmp_path / "vocab.json", list(range(0, vocab, 2)), vocab, source="test")
     out, png = tmp_path / "spec.json", tmp_path / "spec.png"
-    rc = main(["bench", "spec", "--model", str(tmp_path / "tiny"), "--proposers", "ngram,self+heuristic", "--k", "2",
+    rc = main(["bench", "spec", "--model", str(tmp_path / "tiny"), "--proposers", "ngram,self+heuristic,self-exit1+vocab",
+               "--draft-vocab", str(tmp_path / "vocab.json"), "--k", "2",
                "--batch", "1,2", "--num-prompts", "2", "--doc-words", "20", "--output-len", "6", "--rounds", "2", "--kv-cache-gib", "0.01", "--top-k", "5",
                "--dataset-path", str(WIKITEXT / "wiki.test.raw"), "--json", str(out), "--plot", str(png)])
     assert rc == 0
     runs = json.loads(out.read_text())
     assert {(r["proposer"], r["k"], r["batch"]) for r in runs} == {
-        (p, k, b) for b in (1, 2) for p, k in [("plain", 0), ("ngram", 2), ("self+heuristic", 2)]}
+        (p, k, b) for b in (1, 2) for p, k in [("plain", 0), ("ngram", 2), ("self+heuristic", 2),
+                                                 ("self-exit1+vocab", 2)]}
     for r in runs:
         assert len(r["seconds"]) == 2 and r["output_tokens"] == 2 * 6
         if r["proposer"] != "plain":
@@ -49,6 +54,9 @@ def test_prompts_are_grounded_in_their_document():
     (["--proposers", "draft"], "--speculative-model"),
     (["--proposers", "ngram+dynamic"], "--proposers"),
     (["--proposers", "draft+heuristic"], "--speculative-model"),
+    (["--proposers", "self-exit0"], "--proposers"),
+    (["--proposers", "ngram+vocab"], "--proposers"),
+    (["--proposers", "self+vocab"], "--draft-vocab"),
     (["--workload", "chat"], "--workload"),
     (["--dataset-path", "/nonexistent/wiki.txt"], "--dataset-path"),
     (["--repetition-penalty", "0"], "repetition_penalty"),

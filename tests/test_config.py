@@ -59,7 +59,7 @@ def test_each_part_validates_its_own_fields(make, field):
 
 @pytest.mark.parametrize("kwargs,field", [
     (dict(weights="int8", device="cuda"), "device"),
-    (dict(weights="int8", speculative="self"), "self_draft_bits"),
+    (dict(weights="int8", speculative="self", self_draft_bits=8), "self_draft_bits"),
     (dict(speculative="ngram", use_kv_cache=False), "use_kv_cache"),
     (dict(streaming_window=8, use_kv_cache=False), "use_kv_cache"),
     (dict(streaming_window=8, speculative="self"), "streaming_window"),

@@ -84,7 +84,8 @@ def test_weights_shrink_what_a_decode_step_reads(gemma):
     (dict(weights="int3"), "weights must be one of"),
     (dict(weights="fp32", dtype="bfloat16"), "contradicts dtype"),
     (dict(weights="int8", device="cuda"), "device must be 'cpu'"),
-    (dict(weights="int4", speculative="self"), "speculative='self'"),
+    (dict(weights="int4", speculative="self", self_draft_bits=4), "speculative='self'"),
+    (dict(weights="gguf", speculative="self", self_draft_dtype="bfloat16"), "self_draft_dtype"),
 ])
 def test_bad_weights_settings_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -199,6 +199,12 @@ class ModelRunner:
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden, upcast=False)
 
+    @torch.inference_mode()
+    def execute_final_hidden(self, inputs: Seq[StepInput], num_layers: int | None = None) -> torch.Tensor:
+        """The final hidden states [logit rows, hidden] (normed) of one forward pass, for a caller
+        that applies a head of its own (a draft's vocabulary subset); `num_layers` as in `execute`."""
+        return self._forward(inputs, num_layers)
+
     @property
     def has_greedy_screen(self) -> bool:
         """The model's head has an int8 screen (kvserve/accel/greedy_head.py): greedy tokens,

@@ -27,8 +27,10 @@ from kvserve.sampling import Sampler
 from kvserve.sampling.sampler import SamplerOutput, apply_penalties
 from kvserve.sampling.structured import GrammarState
 from kvserve.sequence import Sequence
+from kvserve.speculative.draft_vocab import DraftVocabHead, read_draft_vocab
 from kvserve.speculative.proposers import Draft, Drafter, ModelDrafter, NgramDrafter
 from kvserve.speculative.rejection import accept_greedy, rejection_sample
+from kvserve.weights.linear import QuantLinear
 from kvserve.weights.quantize import rtn_quantize_model
 
 log = logging.getLogger(__name__)
@@ -56,6 +58,7 @@ class SpeculativeDecoder:
         self.draft_runner: ModelRunner | None = None  # set when the draft has a KV pool of its own
         self.stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
         self.vocab_size = target.loaded.model.config.vocab_size
+        self.draft_vocab: torch.Tensor | None = None  # [N] token ids a draft's head scores (draft_vocab)
         self.drafter: Drafter | None = self._make_drafter(target)
 
     # ---------------------------------------------------------------- construction
@@ -64,6 +67,9 @@ class SpeculativeDecoder:
         spec, mc = self.config.speculative_config, target.loaded.model.config
         if spec.speculative is None:
             return None
+        # (A bad file fails before a draft copy is built.)
+        self.draft_vocab = None if spec.draft_vocab is None else read_draft_vocab(
+            spec.draft_vocab, mc.vocab_size, spec.draft_vocab_size)
         if spec.speculative == "ngram":
             return NgramDrafter(spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max)
         if spec.speculative == "self":
@@ -84,23 +90,27 @@ class SpeculativeDecoder:
         mc = model.config
         target_dtype = next(model.parameters()).dtype
         bits = spec.self_draft_bits
+        low_bit = self.config.weights_config.low_bit  # (no float weights to copy: the target's own layers)
         dtype = resolve_dtype(spec.self_draft_dtype) if spec.self_draft_dtype else (
-            torch.bfloat16 if target_dtype == torch.float32 and not bits else target_dtype)
+            torch.bfloat16 if target_dtype == torch.float32 and not bits and not low_bit else target_dtype)
         copy = dtype != target_dtype or bits is not None
         layers = spec.self_draft_layers or (mc.num_layers if copy else max(1, mc.num_layers // 3))
-        if layers > mc.num_layers or (layers == mc.num_layers and not copy):
+        # (All the target's layers without a copy: a draft only through a smaller head.)
+        if layers > mc.num_layers or (layers == mc.num_layers and not copy and spec.draft_vocab is None):
             raise ValueError(f"self_draft_layers must be below the model's {mc.num_layers} layers (or give a "
-                             f"self_draft_dtype other than the target's), got {layers}")
+                             f"self_draft_dtype other than the target's, or a draft_vocab), got {layers}")
         exit_at = layers if layers < mc.num_layers else None
         if not copy:  # early exit on the target itself: its K/V for those layers are the draft's
-            log.info("self-speculative draft: early exit after %d of %d layers", layers, mc.num_layers)
-            return ModelDrafter(target.runner, num_layers=exit_at, eos_token_ids=target.loaded.tokenizer.eos_token_ids)
+            log.info("self-speculative draft: the target's first %d of %d layers", layers, mc.num_layers)
+            return ModelDrafter(target.runner, num_layers=exit_at, eos_token_ids=target.loaded.tokenizer.eos_token_ids,
+                                head=self._vocab_head(model))
         draft = build_model(mc, model.state_dict(), dtype, self.config.device, target.loaded.source)
         what = f"{dtype}"
         if bits:
+            # (A draft_vocab head takes its rows from the float copy: the full head is never run.)
             rtn_quantize_model(draft, bits, 128, granularity="group" if bits == 4 else "channel", sym=bits == 8,
-                               lm_head=True, progress=False)
-            what = f"RTN int{bits} of {dtype}, LM head included"
+                               lm_head=spec.draft_vocab is None, progress=False)
+            what = f"RTN int{bits} of {dtype}" + (", LM head included" if spec.draft_vocab is None else "")
         return self._separate_drafter(target, draft, layers,
                                       f"self draft ({what}, {layers} of {mc.num_layers} layers)", exit_at)
 
@@ -118,10 +128,21 @@ class SpeculativeDecoder:
             cache = KVCache(num_layers, target_cache.num_slots, heads, k_dim, kv_dtype, cfg.device,
                             v_head_dim=v_dim, kv_source=dc.kv_source)
         log.info("%s: its own KV pool %.2f GiB (same block tables as the target)", what, cache.nbytes / 2**30)
-        prepare_model(draft, cfg.device, pack=cfg.weights_config.pack_weights, fuse_cuda=False, what="draft")
+        low_bit = any(isinstance(m, QuantLinear) for m in draft.modules())  # (RTN copy, quantized checkpoint)
+        prepare_model(draft, cfg.device, pack=cfg.weights_config.pack_weights, low_bit=low_bit, fuse_cuda=False,
+                      what="draft")
         self.draft_runner = ModelRunner(draft, cache, cfg.block_size, cfg.device)
         return ModelDrafter(self.draft_runner, num_layers=exit_at, separate_cache=True,
-                            eos_token_ids=target.loaded.tokenizer.eos_token_ids)
+                            eos_token_ids=target.loaded.tokenizer.eos_token_ids, head=self._vocab_head(draft))
+
+    def _vocab_head(self, draft: torch.nn.Module) -> DraftVocabHead | None:
+        """The draft's head over the `draft_vocab` subset, in its hidden states' dtype (None: none asked)."""
+        if self.draft_vocab is None:
+            return None
+        head = DraftVocabHead(draft, self.draft_vocab, draft.norm.weight.dtype)
+        log.info("draft head: %d of %d tokens (%s)", len(self.draft_vocab), draft.config.vocab_size,
+                 self.config.speculative_config.draft_vocab)
+        return head
 
     # ---------------------------------------------------------------- per sequence
     def attach(self, seqs: list[Sequence]) -> None:

@@ -23,6 +23,7 @@ from kvserve.engine.model_runner import ModelRunner, StepInput
 from kvserve.sampling import SamplingRequest
 from kvserve.sampling.sampler import apply_penalties
 from kvserve.sequence import Sequence
+from kvserve.speculative.draft_vocab import DraftVocabHead
 from kvserve.speculative.ngram import NgramProposer
 from kvserve.speculative.rejection import processed_probs, sample_probs
 
@@ -67,11 +68,18 @@ class ModelDrafter:
     """
 
     def __init__(self, runner: ModelRunner, num_layers: int | None = None, separate_cache: bool = False,
-                 eos_token_ids: Seq[int] = ()):
+                 eos_token_ids: Seq[int] = (), head: DraftVocabHead | None = None):
         self.runner = runner
         self.num_layers = num_layers
         self.separate_cache = separate_cache
         self.eos_token_ids = list(eos_token_ids)  # the ends min_tokens bans
+        self.head = head  # a head over a subset of the vocabulary (None: the model's own)
+
+    def _logits(self, inputs: list[StepInput]) -> torch.Tensor:
+        """The draft's logits [rows, V] for one step."""
+        if self.head is None:
+            return self.runner.execute(inputs, num_layers=self.num_layers)
+        return self.head(self.runner.execute_final_hidden(inputs, num_layers=self.num_layers))
 
     def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[Draft]:
         drafts = [Draft([]) for _ in seqs]
@@ -82,7 +90,7 @@ class ModelDrafter:
             if not active:
                 break
             inputs = [self._input(seqs[i], drafts[i].token_ids, step) for i in active]
-            logits = self.runner.execute(inputs, num_layers=self.num_layers)
+            logits = self._logits(inputs)
             tokens, rows = self._pick(logits, [seqs[i] for i in active], [drafts[i].token_ids for i in active])
             for j, i in enumerate(active):
                 drafts[i].token_ids.append(tokens[j])

@@ -56,27 +56,50 @@ class SpecRun:
         return self.output_tokens / statistics.median(self.seconds)
 
 
-PROPOSERS = ("ngram", "self", "self-int4", "self-int8", "draft")
+PROPOSERS = ("ngram", "self", "self-int4", "self-int8", "self-exitN", "draft")
 HEURISTIC = "+heuristic"  # a proposer's suffix: k as the most of each sequence's heuristic draft length
+VOCAB = "+vocab"  # a model draft's suffix: its head over the --draft-vocab subset
 
 
-def _engine_args(proposer: str, k: int, draft_model: str | None) -> dict:
+def _base(proposer: str) -> str:
+    """The proposer without its suffixes ("self-exit6+vocab+heuristic" -> "self-exit6")."""
+    return proposer.removesuffix(HEURISTIC).removesuffix(VOCAB)
+
+
+def check_proposer(proposer: str) -> None:
+    """ValueError unless proposer is one of PROPOSERS (self-exitN: N a layer count) with suffixes."""
+    base = _base(proposer)
+    exit_layers = base.removeprefix("self-exit")
+    if base not in PROPOSERS and not (base.startswith("self-exit") and exit_layers.isdigit() and int(exit_layers)):
+        raise ValueError(f"--proposers: unknown proposer {proposer!r} ({', '.join(PROPOSERS)}, each optionally "
+                         f"with {VOCAB} for a model draft, then {HEURISTIC})")
+    if proposer.removesuffix(HEURISTIC).endswith(VOCAB) and base == "ngram":
+        raise ValueError(f"--proposers: {proposer!r}: {VOCAB} is for a model draft, not ngram")
+
+
+def _engine_args(proposer: str, k: int, draft_model: str | None, draft_vocab: str | None = None,
+                 dtype: str = "float32") -> dict:
+    """EngineConfig fields for a proposer; `dtype`: the target's (an early exit runs on it, no copy)."""
     if proposer == "plain":
         return {}
     schedule = "heuristic" if proposer.endswith(HEURISTIC) else "constant"
-    proposer = proposer.removesuffix(HEURISTIC)
-    args = dict(speculative=proposer, num_speculative_tokens=k, num_speculative_tokens_schedule=schedule)
-    if proposer in ("self-int4", "self-int8"):  # the target's RTN copy as its draft
-        args.update(speculative="self", self_draft_bits=int(proposer[-1]))
-    if proposer == "draft":
+    base = _base(proposer)
+    args = dict(speculative=base, num_speculative_tokens=k, num_speculative_tokens_schedule=schedule)
+    if base in ("self-int4", "self-int8"):  # the target's RTN copy as its draft
+        args.update(speculative="self", self_draft_bits=int(base[-1]))
+    if base.startswith("self-exit"):  # the target's first N layers, no copy
+        args.update(speculative="self", self_draft_layers=int(base.removeprefix("self-exit")), self_draft_dtype=dtype)
+    if base == "draft":
         args["speculative_model"] = draft_model
+    if proposer.removesuffix(HEURISTIC).endswith(VOCAB):
+        args["draft_vocab"] = draft_vocab
     return args
 
 
 def _run_once(loaded, prompts: list[str], batch: int, params, engine_args: dict, max_model_len: int,
-              kv_cache_gib: float):
+              kv_cache_gib: float, weights: str = "float"):
     """Generate every prompt (batch at a time); returns (seconds, output tokens, engine stats)."""
-    llm = LLM(loaded=loaded, max_num_seqs=batch, enable_prefix_caching=False, max_model_len=max_model_len,
+    llm = LLM(loaded=loaded, weights=weights, max_num_seqs=batch, enable_prefix_caching=False, max_model_len=max_model_len,
               kv_cache_gib=kv_cache_gib, **engine_args)
     llm.generate(prompts[0][:50], dataclasses.replace(params, max_tokens=2))  # warm-up (kernels, allocator)
     base = dict(llm.engine.spec_stats)
@@ -91,20 +114,24 @@ def _run_once(loaded, prompts: list[str], batch: int, params, engine_args: dict,
 
 def measure(loaded, proposers: list[str], ks: list[int], batches: list[int], prompts: list[str], output_len: int,
             rounds: int, temperature: float = 0.0, draft_model: str | None = None, kv_cache_gib: float = 0.5,
-            progress=print, sampling: dict | None = None) -> list[SpecRun]:
-    """`sampling`: further SamplingParams fields (top_p, top_k, repetition_penalty, ...)."""
+            progress=print, sampling: dict | None = None, draft_vocab: str | None = None,
+            weights: str = "float") -> list[SpecRun]:
+    """`sampling`: further SamplingParams fields (top_p, top_k, repetition_penalty, ...); `draft_vocab`:
+    the file the +vocab proposers' heads read; `weights`: the target's (`loaded` as that engine
+    option computes with it: "gguf" wants it loaded with gguf_blocks)."""
     params = SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True, seed=0,
                             **(sampling or {}))
     lens = [len(loaded.tokenizer.encode(p)) for p in prompts]
     max_model_len = max(lens) + output_len + max(ks) + 16
     configs = [("plain", 0)] + [(p, k) for p in proposers for k in ks]
+    dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
     runs = {(p, k, b): SpecRun(p, k, b, 0) for p, k in configs for b in batches}
     for r in range(rounds):
         for b in batches:
             for p, k in configs:
                 run = runs[(p, k, b)]
-                sec, n_out, st = _run_once(loaded, prompts, b, params, _engine_args(p, k, draft_model), max_model_len,
-                                           kv_cache_gib)
+                sec, n_out, st = _run_once(loaded, prompts, b, params, _engine_args(p, k, draft_model, draft_vocab, dtype), max_model_len,
+                                           kv_cache_gib, weights)
                 run.seconds.append(sec)
                 run.output_tokens = n_out
                 if st.get("num_drafts"):
@@ -161,21 +188,23 @@ def main(args) -> int:
         raise ValueError(f"--workload must be one of {WORKLOADS}, got {args.workload!r}")
     proposers = [p.strip() for p in args.proposers.split(",") if p.strip()]
     for p in proposers:
-        if p.removesuffix(HEURISTIC) not in PROPOSERS:
-            raise ValueError(f"--proposers: unknown proposer {p!r} ({', '.join(PROPOSERS)}, each optionally "
-                             f"with {HEURISTIC})")
-    if any(p.removesuffix(HEURISTIC) == "draft" for p in proposers) and not args.speculative_model:
+        check_proposer(p)
+    if any(_base(p) == "draft" for p in proposers) and not args.speculative_model:
         raise ValueError("--proposers draft needs --speculative-model")
+    if any(p.removesuffix(HEURISTIC).endswith(VOCAB) for p in proposers) and not args.draft_vocab:
+        raise ValueError(f"--proposers NAME{VOCAB} needs --draft-vocab (a file from `kvserve draft-vocab`)")
     path = Path(args.dataset_path) if args.dataset_path else default_wikitext_path()
     if not path.is_file():
         raise ValueError(f"--dataset-path: {path} is not a file")
     sampling = dict(top_p=args.top_p, top_k=args.top_k, repetition_penalty=args.repetition_penalty)
     SamplingParams(temperature=args.temperature, **sampling)  # a bad setting fails here, naming the field
     prompts = make_prompts(load_wikitext_words(path), args.workload, args.num_prompts, args.doc_words, args.seed)
-    loaded = load_model(args.model, args.dtype)
+    loaded = load_model(args.model, args.dtype, gguf_blocks=args.weights == "gguf")
     runs = measure(loaded, proposers, args.k, args.batch, prompts, args.output_len, args.rounds,
-                   args.temperature, args.speculative_model, args.kv_cache_gib, sampling=sampling)
-    print(f"\n{args.workload} workload, {args.dtype}, {len(prompts)} prompts x {args.output_len} tokens, "
+                   args.temperature, args.speculative_model, args.kv_cache_gib, sampling=sampling,
+                   draft_vocab=args.draft_vocab, weights=args.weights)
+    what = args.dtype if args.weights == "float" else f"weights {args.weights}"
+    print(f"\n{args.workload} workload, {what}, {len(prompts)} prompts x {args.output_len} tokens, "
           f"temperature {args.temperature}, top-p {args.top_p}, top-k {args.top_k}, repetition penalty "
           f"{args.repetition_penalty}, median of {args.rounds} rounds")
     print_table(runs)
