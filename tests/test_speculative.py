@@ -15,6 +15,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.block_manager import BlockManager
 from kvserve.loading.loader import default_model_path
 from kvserve.speculative.decoder import next_draft_length
+from kvserve.weights.half import HalfLinear
 from kvserve.weights.linear import QuantLinear
 from kvserve.speculative.proposers import Draft
 from tests.conftest import WIKITEXT
@@ -103,6 +104,8 @@ def test_greedy_speculative_equals_plain_in_mixed_batches(gemma, plain, name, re
     assert stats["spec_num_draft_tokens"] > 0
     if name in ("ngram", "draft", "self-bf16", "self-vocab"):
         assert stats["spec_num_accepted_tokens"] > stats["spec_num_draft_tokens"] * 0.3
+    if name == "self-bf16":  # 16-bit weights computed in fp32 on kvserve's half kernels
+        assert any(isinstance(m, HalfLinear) for m in llm.engine.draft_runner.model.modules())
     if name == "self-int4":  # the RTN copy runs on kvserve's int kernels, as `--weights int4` does
         layers = [m for m in llm.engine.draft_runner.model.modules() if isinstance(m, QuantLinear)]
         assert layers and all(m._gemv is not None for m in layers)

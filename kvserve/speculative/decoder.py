@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -30,6 +31,7 @@ from kvserve.sequence import Sequence
 from kvserve.speculative.draft_vocab import DraftVocabHead, read_draft_vocab
 from kvserve.speculative.proposers import Draft, Drafter, ModelDrafter, NgramDrafter
 from kvserve.speculative.rejection import accept_greedy, rejection_sample
+from kvserve.weights.half import HALF_DTYPES
 from kvserve.weights.linear import QuantLinear
 from kvserve.weights.quantize import rtn_quantize_model
 
@@ -104,8 +106,7 @@ class SpeculativeDecoder:
             log.info("self-speculative draft: the target's first %d of %d layers", layers, mc.num_layers)
             return ModelDrafter(target.runner, num_layers=exit_at, eos_token_ids=target.loaded.tokenizer.eos_token_ids,
                                 head=self._vocab_head(model))
-        draft = build_model(mc, model.state_dict(), dtype, self.config.device, target.loaded.source)
-        what = f"{dtype}"
+        draft, what = self._copy(model, dtype, bits, target.loaded.source), f"{dtype}"
         if bits:
             # (A draft_vocab head takes its rows from the float copy: the full head is never run.)
             rtn_quantize_model(draft, bits, 128, granularity="group" if bits == 4 else "channel", sym=bits == 8,
@@ -113,6 +114,17 @@ class SpeculativeDecoder:
             what = f"RTN int{bits} of {dtype}" + (", LM head included" if spec.draft_vocab is None else "")
         return self._separate_drafter(target, draft, layers,
                                       f"self draft ({what}, {layers} of {mc.num_layers} layers)", exit_at)
+
+    def _copy(self, model: torch.nn.Module, dtype: torch.dtype, bits: int | None, source: Path) -> torch.nn.Module:
+        """The target's weights in `dtype`. A 16-bit copy of an fp32 target on the CPU keeps fp32
+        arithmetic (kvserve/weights/half.py): its steps then run as one C call (the decode plan),
+        where oneDNN's 16-bit matmuls stream a decode step's weights at a third of the rate."""
+        sd, device = model.state_dict(), self.config.device
+        if (dtype in HALF_DTYPES and next(model.parameters()).dtype == torch.float32 and bits is None
+                and torch.device(device).type == "cpu"):
+            halves = {k: v.to(dtype) if v.dim() == 2 else v for k, v in sd.items()}  # (linears, embedding)
+            return build_model(model.config, halves, torch.float32, device, source, keep_16bit=True)
+        return build_model(model.config, sd, dtype, device, source)
 
     def _separate_drafter(self, target: DraftTarget, draft: torch.nn.Module, num_layers: int, what: str,
                           exit_at: int | None = None) -> ModelDrafter:
