@@ -121,7 +121,7 @@ class SpeculativeDecoder:
         where oneDNN's 16-bit matmuls stream a decode step's weights at a third of the rate."""
         sd, device = model.state_dict(), self.config.device
         if (dtype in HALF_DTYPES and next(model.parameters()).dtype == torch.float32 and bits is None
-                and torch.device(device).type == "cpu"):
+                and torch.device(device).type == "cpu" and not model.config.mla):  # (MLA reads kv_b_proj itself)
             halves = {k: v.to(dtype) if v.dim() == 2 else v for k, v in sd.items()}  # (linears, embedding)
             return build_model(model.config, halves, torch.float32, device, source, keep_16bit=True)
         return build_model(model.config, sd, dtype, device, source)
