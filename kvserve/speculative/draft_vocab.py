@@ -3,8 +3,8 @@ N most frequent tokens of a corpus (frequency-ranked drafting, FR-Spec, Zhao et 
 
 Why: with a large vocabulary the LM head dominates a small model's decode step (Gemma 3 270M:
 262144 x 640, 168M of its 268M parameters), so a draft that keeps the whole head costs nearly a
-target step. The 32768 most frequent tokens of a corpus cover ~93% of held-out text of the same
-kind, and the head over them is 8x smaller.
+target step. The 13404 distinct tokens of WikiText-2's validation text are 88.8% of its test
+text's tokens, and the head over them is 20x smaller.
 
 Lossless: the draft proposes from its subset only (q = 0 elsewhere); the target verifies every
 draft as before, so a token outside the subset is simply never drafted, and the output is the
